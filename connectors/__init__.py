@@ -1,0 +1,1 @@
+"""Environment connectors and built-in environments for rlstream producers."""

@@ -1,0 +1,1 @@
+"""Benchmarks: `rlstream bench ...`, each printing ratios measured side by side in one run."""

@@ -1,0 +1,93 @@
+"""The one exception root of rlstream and the errors derived from it.
+
+Per-message failures (a record that does not decode) are raised as
+:class:`RecordDecodeError` and turned into data (dead-letter records, counters) by the
+component that reads them. Per-process failures (no Java, a port in use, a broker that
+will not start) are raised loudly with a message that says what to do.
+"""
+
+from __future__ import annotations
+
+
+class RlstreamError(Exception):
+    """Root of every error rlstream raises on purpose."""
+
+
+class InvalidConfigError(RlstreamError, ValueError):
+    """A configuration value is out of range or inconsistent; the message names it."""
+
+
+class RecordDecodeError(RlstreamError, ValueError):
+    """Bytes read from Kafka (or a recording) are not a valid rlstream record.
+
+    ``reason`` is one of :data:`DECODE_REASONS`, stable and machine-readable (it becomes
+    the dead-letter record's ``error_class`` and a counter label):
+
+    - ``truncated``: the bytes end before the record does;
+    - ``bad_marker``: not Avro single-object encoding (no ``C3 01`` marker);
+    - ``unknown_schema``: the writer schema's fingerprint is not known to this reader;
+    - ``bad_length``: a length or count prefix is negative or larger than the bytes left;
+    - ``trailing_bytes``: bytes remain after the record;
+    - ``tensor_mismatch``: a Tensor's dtype and shape disagree with its data length;
+    - ``length_mismatch``: tokens, loss mask and log-probabilities disagree in length;
+    - ``bad_span``: version spans or turns out of order, out of range or not covering
+      every policy token;
+    - ``non_finite``: a NaN or infinite reward or log-probability;
+    - ``bad_enum``: an enum value (dtype, role, status) this reader does not know;
+    - ``invalid``: any other violation of the record's contract.
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.detail = message
+
+
+DECODE_REASONS = (
+    "truncated",
+    "bad_marker",
+    "unknown_schema",
+    "bad_length",
+    "trailing_bytes",
+    "tensor_mismatch",
+    "length_mismatch",
+    "bad_span",
+    "non_finite",
+    "bad_enum",
+    "invalid",
+)
+
+
+class InvalidTrajectoryError(RlstreamError, ValueError):
+    """A trajectory built in Python breaks the record contract; it is never encoded."""
+
+
+class KafkaClientError(RlstreamError):
+    """A Kafka client call failed.
+
+    ``code`` and ``name`` are librdkafka's error code and name, ``retriable`` says whether
+    the same call may succeed if repeated, ``fatal`` whether the client is unusable.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: int | None = None,
+        name: str = "",
+        retriable: bool = False,
+        fatal: bool = False,
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.name = name
+        self.retriable = retriable
+        self.fatal = fatal
+
+
+class BrokerError(RlstreamError):
+    """The local Apache Kafka broker could not be prepared, started or stopped."""
+
+
+class MissingToolError(BrokerError):
+    """A program the local broker needs (Java 17+, Maven) is not installed."""

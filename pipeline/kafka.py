@@ -1,0 +1,201 @@
+"""Thin wrappers over confluent-kafka with this workload's defaults.
+
+:class:`KafkaConfig` is a frozen description of how to reach a cluster (bootstrap
+servers, security, any extra librdkafka keys); ``producer()``, ``consumer()`` and
+``admin()`` build clients from it. Defaults follow DESIGN: idempotent producers with
+``acks=all`` and compression, manual commits, and message size limits raised to
+:data:`MAX_MESSAGE_BYTES` everywhere (broker, topics, producer, consumer) so an 8 MB
+trajectory passes. Kafka errors are re-raised as :class:`KafkaClientError` with their
+code and whether they are retriable. Secrets are never logged or printed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import confluent_kafka
+from confluent_kafka import admin as kafka_admin
+
+from pipeline.errors import InvalidConfigError, KafkaClientError
+
+log = logging.getLogger(__name__)
+
+#: Largest record rlstream sends: 16 MiB, twice the 8 MB trajectory it must carry.
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+#: Per-fetch limit of consumers (one fetch may hold several maximal records).
+MAX_FETCH_BYTES = 4 * MAX_MESSAGE_BYTES
+
+_SECRET_WORDS = ("password", "secret", "key.pem", "private", "token", "sasl.oauthbearer")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    """How clients authenticate: ``protocol`` is PLAINTEXT, SSL, SASL_PLAINTEXT or
+    SASL_SSL; SASL mechanism and credentials; TLS files."""
+
+    protocol: str = "PLAINTEXT"
+    sasl_mechanism: str | None = None
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    ssl_ca_location: str | None = None
+    ssl_certificate_location: str | None = None
+    ssl_key_location: str | None = None
+
+    def __post_init__(self) -> None:
+        protocols = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+        if self.protocol not in protocols:
+            raise InvalidConfigError(
+                f"security protocol {self.protocol!r} is not one of {', '.join(protocols)}"
+            )
+        if self.protocol.startswith("SASL") and not (self.username and self.password):
+            raise InvalidConfigError(f"{self.protocol} needs a username and a password")
+
+    def librdkafka(self) -> dict[str, str]:
+        out = {"security.protocol": self.protocol.lower()}
+        if self.protocol.startswith("SASL"):
+            out["sasl.mechanism"] = self.sasl_mechanism or "SCRAM-SHA-512"
+            out["sasl.username"] = self.username or ""
+            out["sasl.password"] = self.password or ""
+        for key, value in (
+            ("ssl.ca.location", self.ssl_ca_location),
+            ("ssl.certificate.location", self.ssl_certificate_location),
+            ("ssl.key.location", self.ssl_key_location),
+        ):
+            if value:
+                out[key] = value
+        return out
+
+
+@dataclass(frozen=True)
+class KafkaConfig:
+    """How to reach a Kafka cluster. ``extra`` passes any librdkafka key through
+    unchanged (it wins over rlstream's defaults)."""
+
+    bootstrap: str = "127.0.0.1:9092"
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    client_id: str = "rlstream"
+    extra: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.bootstrap.strip():
+            raise InvalidConfigError("bootstrap servers are empty: give host:port[,host:port]")
+
+    @classmethod
+    def from_env(cls, bootstrap: str | None = None, **overrides: Any) -> KafkaConfig:
+        """Config from ``RLSTREAM_BOOTSTRAP`` and ``RLSTREAM_SECURITY_PROTOCOL``,
+        ``RLSTREAM_SASL_MECHANISM``, ``RLSTREAM_SASL_USERNAME``, ``RLSTREAM_SASL_PASSWORD``,
+        ``RLSTREAM_SSL_CA``, ``RLSTREAM_SSL_CERT``, ``RLSTREAM_SSL_KEY``."""
+        env = os.environ
+        security = SecurityConfig(
+            protocol=env.get("RLSTREAM_SECURITY_PROTOCOL", "PLAINTEXT"),
+            sasl_mechanism=env.get("RLSTREAM_SASL_MECHANISM"),
+            username=env.get("RLSTREAM_SASL_USERNAME"),
+            password=env.get("RLSTREAM_SASL_PASSWORD"),
+            ssl_ca_location=env.get("RLSTREAM_SSL_CA"),
+            ssl_certificate_location=env.get("RLSTREAM_SSL_CERT"),
+            ssl_key_location=env.get("RLSTREAM_SSL_KEY"),
+        )
+        return cls(
+            bootstrap=bootstrap or env.get("RLSTREAM_BOOTSTRAP", "127.0.0.1:9092"),
+            security=security,
+            **overrides,
+        )
+
+    def common(self) -> dict[str, Any]:
+        conf: dict[str, Any] = {
+            "bootstrap.servers": self.bootstrap,
+            "client.id": self.client_id,
+            "receive.message.max.bytes": MAX_FETCH_BYTES + 1024 * 1024,
+        }
+        conf.update(self.security.librdkafka())
+        return conf
+
+    def producer_config(self, **overrides: Any) -> dict[str, Any]:
+        conf = self.common()
+        conf.update(
+            {
+                "enable.idempotence": True,
+                "acks": "all",
+                "compression.type": "lz4",
+                "linger.ms": 5,
+                "batch.size": MAX_MESSAGE_BYTES,
+                "message.max.bytes": MAX_MESSAGE_BYTES,
+                "queue.buffering.max.kbytes": 512 * 1024,
+                "delivery.timeout.ms": 300_000,
+            }
+        )
+        conf.update(self.extra)
+        conf.update(overrides)
+        return conf
+
+    def consumer_config(self, group_id: str | None, **overrides: Any) -> dict[str, Any]:
+        conf = self.common()
+        conf.update(
+            {
+                "group.id": group_id or f"{self.client_id}.reader",
+                "enable.auto.commit": False,
+                "enable.auto.offset.store": False,
+                "auto.offset.reset": "earliest",
+                "fetch.max.bytes": MAX_FETCH_BYTES,
+                "max.partition.fetch.bytes": MAX_MESSAGE_BYTES,
+                "isolation.level": "read_committed",
+            }
+        )
+        conf.update(self.extra)
+        conf.update(overrides)
+        return conf
+
+    def admin_config(self) -> dict[str, Any]:
+        conf = self.common()
+        conf.update({k: v for k, v in self.extra.items() if not k.startswith(("fetch", "max."))})
+        return conf
+
+    def producer(self, **overrides: Any) -> confluent_kafka.Producer:
+        return confluent_kafka.Producer(self.producer_config(**overrides))
+
+    def consumer(self, group_id: str | None, **overrides: Any) -> confluent_kafka.Consumer:
+        return confluent_kafka.Consumer(self.consumer_config(group_id, **overrides))
+
+    def admin(self) -> kafka_admin.AdminClient:
+        return kafka_admin.AdminClient(self.admin_config())
+
+
+def redact(conf: Mapping[str, Any]) -> dict[str, Any]:
+    """A client config that is safe to log: secret values replaced by ``***``."""
+    return {k: "***" if any(w in k.lower() for w in _SECRET_WORDS) else v for k, v in conf.items()}
+
+
+def wrap_error(e: BaseException, action: str) -> KafkaClientError:
+    """A :class:`KafkaClientError` for a confluent-kafka exception or KafkaError."""
+    err = e.args[0] if isinstance(e, confluent_kafka.KafkaException) and e.args else e
+    if isinstance(err, confluent_kafka.KafkaError):
+        return KafkaClientError(
+            f"{action} failed: {err.name()} ({err.str()})",
+            code=err.code(),
+            name=err.name(),
+            retriable=err.retriable(),
+            fatal=err.fatal(),
+        )
+    return KafkaClientError(f"{action} failed: {e}")
+
+
+@contextmanager
+def kafka_errors(action: str) -> Iterator[None]:
+    """Re-raise confluent-kafka errors inside the block as :class:`KafkaClientError`."""
+    try:
+        yield
+    except confluent_kafka.KafkaException as e:
+        raise wrap_error(e, action) from e
+
+
+def call(action: str, fn: Callable[[], T]) -> T:
+    """``fn()`` with confluent-kafka errors re-raised as :class:`KafkaClientError`."""
+    with kafka_errors(action):
+        return fn()
