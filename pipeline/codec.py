@@ -269,3 +269,30 @@ def _hex(v: bytes | None) -> bytes | None:
         return bytes.fromhex(v.decode("ascii"))
     except (UnicodeDecodeError, ValueError):
         return None
+
+
+def to_avro_dict(t: Trajectory) -> dict[str, Any]:
+    """The Avro value of a trajectory as plain dicts and lists (Tensors as
+    ``{dtype, shape, data}``), as other Avro libraries take it."""
+    return {
+        "trajectory_id": t.trajectory_id,
+        "group_id": t.group_id,
+        "group_size": t.group_size,
+        "group_index": t.group_index,
+        "task_id": t.task_id,
+        "producer_id": t.producer_id,
+        "env": t.env,
+        "tokenizer_id": t.tokenizer_id,
+        **{
+            name: dict(zip(("dtype", "shape", "data"), _tensor_fields(getattr(t, name)),
+                           strict=True))
+            for name in ("tokens", "loss_mask", "logprobs")
+        },
+        "version_spans": [s._asdict() for s in t.version_spans],
+        "turns": [turn._asdict() for turn in t.turns],
+        "reward": t.reward,
+        "rewards": dict(t.rewards),
+        "status": t.status,
+        "timings": t.timings._asdict(),
+        "metadata": dict(t.metadata),
+    }

@@ -24,6 +24,9 @@ from confluent_kafka import admin as kafka_admin
 from pipeline.errors import InvalidConfigError, KafkaClientError
 
 log = logging.getLogger(__name__)
+#: librdkafka's own log lines go here (connection chatter is INFO; warnings show).
+rdkafka_log = logging.getLogger("librdkafka")
+rdkafka_log.setLevel(logging.WARNING)
 
 #: Largest record rlstream sends: 16 MiB, twice the 8 MB trajectory it must carry.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -113,6 +116,7 @@ class KafkaConfig:
             "bootstrap.servers": self.bootstrap,
             "client.id": self.client_id,
             "receive.message.max.bytes": MAX_FETCH_BYTES + 1024 * 1024,
+            "logger": rdkafka_log,
         }
         conf.update(self.security.librdkafka())
         return conf

@@ -1,0 +1,297 @@
+"""The ``rlstream`` command line: one entry point, one sub-command per job.
+
+Flags that name a cluster or a namespace default to environment variables, shown in
+``--help``. Every long-running command prints progress and stops cleanly on SIGINT or
+SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import RlstreamError
+from pipeline.kafka import KafkaConfig, SecurityConfig
+
+log = logging.getLogger("rlstream")
+
+
+def env_default(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(name, default)
+
+
+def add_kafka_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("Kafka cluster")
+    g.add_argument(
+        "--bootstrap",
+        default=env_default("RLSTREAM_BOOTSTRAP"),
+        help="bootstrap servers host:port[,...] of an existing cluster "
+        "(env RLSTREAM_BOOTSTRAP; default: the local broker)",
+    )
+    g.add_argument(
+        "--security-protocol",
+        default=env_default("RLSTREAM_SECURITY_PROTOCOL", "PLAINTEXT"),
+        choices=["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"],
+        help="(env RLSTREAM_SECURITY_PROTOCOL; default %(default)s)",
+    )
+    g.add_argument("--sasl-mechanism", default=env_default("RLSTREAM_SASL_MECHANISM"),
+                   help="e.g. SCRAM-SHA-512 (env RLSTREAM_SASL_MECHANISM)")
+    g.add_argument("--sasl-username", default=env_default("RLSTREAM_SASL_USERNAME"),
+                   help="(env RLSTREAM_SASL_USERNAME)")
+    g.add_argument("--sasl-password", default=env_default("RLSTREAM_SASL_PASSWORD"),
+                   help="(env RLSTREAM_SASL_PASSWORD; prefer the variable to the flag)")
+    g.add_argument("--ssl-ca", default=env_default("RLSTREAM_SSL_CA"),
+                   help="CA certificate file (env RLSTREAM_SSL_CA)")
+    g.add_argument("--kafka-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="any librdkafka setting, passed through (repeatable)")
+
+
+def add_namespace_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--namespace", default=env_default("RLSTREAM_NAMESPACE", "rlstream"),
+                   help="experiment namespace (env RLSTREAM_NAMESPACE; default %(default)s)")
+
+
+def add_json_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object as the last line of output")
+
+
+def add_broker_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data-dir", type=Path,
+                   default=Path(env_default("RLSTREAM_BROKER_DIR", ".rlstream/broker") or ""),
+                   help="local broker state and logs (env RLSTREAM_BROKER_DIR; "
+                   "default %(default)s)")
+    p.add_argument("--port", type=int, default=int(env_default("RLSTREAM_BROKER_PORT", "9092")
+                                                      or 9092),
+                   help="first client port; node i uses port+2i, its controller port+2i+1 "
+                   "(env RLSTREAM_BROKER_PORT; default %(default)s)")
+
+
+def kafka_config(args: argparse.Namespace, bootstrap: str | None = None) -> KafkaConfig:
+    extra = {}
+    for item in args.kafka_option:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise RlstreamError(f"--kafka-option {item!r} is not KEY=VALUE")
+        extra[key] = value
+    security = SecurityConfig(
+        protocol=args.security_protocol,
+        sasl_mechanism=args.sasl_mechanism,
+        username=args.sasl_username,
+        password=args.sasl_password,
+        ssl_ca_location=args.ssl_ca,
+    )
+    return KafkaConfig(bootstrap=bootstrap or args.bootstrap or "127.0.0.1:9092",
+                       security=security, extra=extra)
+
+
+class Cluster:
+    """The cluster a command talks to: ``--bootstrap`` if given, else the local broker,
+    started if needed and stopped again on exit if this command started it."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.broker: Any = None
+        self.started = False
+
+    def __enter__(self) -> KafkaConfig:
+        if self.args.bootstrap:
+            return kafka_config(self.args)
+        from pipeline.broker import BrokerConfig, LocalBroker
+
+        self.broker = LocalBroker(BrokerConfig(data_dir=self.args.data_dir, port=self.args.port))
+        if not self.broker.running():
+            print(f"starting local Kafka broker in {self.broker.data_dir} ...", flush=True)
+            self.broker.start()
+            self.started = True
+        return kafka_config(self.args, self.broker.bootstrap)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.started:
+            self.broker.stop()
+
+
+def print_result(args: argparse.Namespace, result: dict[str, Any], text: str) -> None:
+    print(text, flush=True)
+    if getattr(args, "json", False):
+        print(json.dumps(result, sort_keys=True), flush=True)
+
+
+class StopFlag:
+    """Set by SIGINT/SIGTERM; long-running loops check it and wind down cleanly."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signal: int | None = None
+
+    def install(self) -> StopFlag:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.event.is_set():  # second signal: stop now
+            raise KeyboardInterrupt
+        self.signal = signum
+        self.event.set()
+        print(f"\nstopping ({signal.Signals(signum).name}); again to force", file=sys.stderr)
+
+    def __bool__(self) -> bool:
+        return self.event.is_set()
+
+
+# ---- commands ---------------------------------------------------------------------------
+
+
+def cmd_broker(args: argparse.Namespace) -> int:
+    from pipeline.broker import BrokerConfig, LocalBroker
+
+    broker = LocalBroker(BrokerConfig(data_dir=args.data_dir, nodes=args.nodes, port=args.port))
+    if args.action == "start":
+        was_running = broker.running()
+        state = broker.start()
+        word = "already running" if was_running else "started"
+        pids = ",".join(str(n["pid"]) for n in state["nodes"])
+        print_result(args, {"bootstrap": state["bootstrap"], "nodes": state["nodes"],
+                            "already_running": was_running},
+                     f"broker {word} bootstrap={state['bootstrap']} nodes={len(state['nodes'])} "
+                     f"pids={pids} data_dir={broker.data_dir}")
+        return 0
+    if args.action == "stop":
+        stopped = broker.stop()
+        print_result(args, {"stopped": stopped},
+                     "broker stopped" if stopped else "broker was not running")
+        return 0
+    status = broker.status()
+    if not status["running"]:
+        print_result(args, status, f"broker not running (data_dir={status['data_dir']})")
+        return 3
+    print_result(args, status, f"broker running bootstrap={status['bootstrap']} "
+                 f"answering={status['answering']} nodes={len(status['nodes'])}")
+    return 0
+
+
+def cmd_topics(args: argparse.Namespace) -> int:
+    from pipeline.topics import ensure_topics, namespace_topics
+
+    envs = [e.strip() for e in args.envs.split(",") if e.strip()]
+    specs = namespace_topics(args.namespace, envs, args.partitions,
+                             replication=args.replication)
+    states = ensure_topics(kafka_config(args), specs)
+    lines = [f"{s.action:8} {s.name} partitions={s.partitions} replication={s.replication} "
+             + " ".join(f"{k}={v}" for k, v in sorted(s.config.items())) for s in states]
+    print_result(args, {"topics": [s.__dict__ | {"config": dict(s.config)} for s in states]},
+                 "\n".join(lines))
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from pipeline.smoke import run_round_trip
+
+    return run_round_trip(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pipeline.bench import codec as bench_codec
+    from pipeline.bench import transport as bench_transport
+
+    benches: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+        "codec": bench_codec.run,
+        "transport": bench_transport.run,
+    }
+    result = benches[args.which](args)
+    print_result(args, result, format_bench(result))
+    return 0
+
+
+def format_bench(result: dict[str, Any]) -> str:
+    lines = [f"bench {result['bench']}"]
+    for section in ("figures", "ratios"):
+        for k, v in result.get(section, {}).items():
+            lines.append(f"  {section[:-1]:6} {k:32} {v:,.4g}" if isinstance(v, float)
+                         else f"  {section[:-1]:6} {k:32} {v}")
+    for k, v in result.get("goals", {}).items():
+        lines.append(f"  goal   {k:32} {v}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rlstream",
+        description="Asynchronous RL for LLM agents with Apache Kafka between rollout "
+        "producers and trainers.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("broker", help="start, stop or inspect the local Apache Kafka (KRaft)")
+    p.add_argument("action", choices=["start", "stop", "status"])
+    p.add_argument("--nodes", type=int, default=1,
+                   help="1, or 3 for a local cluster with replication 3 and min.insync.replicas 2")
+    add_broker_args(p)
+    add_json_arg(p)
+    p.set_defaults(func=cmd_broker)
+
+    p = sub.add_parser("topics", help="create a namespace's topics (idempotent)")
+    p.add_argument("action", choices=["create"])
+    add_namespace_arg(p)
+    p.add_argument("--envs", required=True, help="comma-separated environment names")
+    p.add_argument("--partitions", type=int, default=4, help="partitions per rollout topic")
+    p.add_argument("--replication", type=int, default=None,
+                   help="replication factor (default: the broker's)")
+    add_kafka_args(p)
+    add_json_arg(p)
+    p.set_defaults(func=cmd_topics)
+
+    p = sub.add_parser("run", help="the main job: an end-to-end round trip of trajectories "
+                       "through Kafka (starts the local broker unless --bootstrap is given)")
+    add_namespace_arg(p)
+    p.add_argument("--trajectories", type=int, default=2000, help="how many to send")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per trajectory")
+    p.add_argument("--partitions", type=int, default=4)
+    add_kafka_args(p)
+    add_broker_args(p)
+    add_json_arg(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
+    p.add_argument("which", choices=["codec", "transport"])
+    p.add_argument("--seconds", type=float, default=2.0, help="time per measurement round")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per contender")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per trajectory")
+    p.add_argument("--records", type=int, default=3000, help="records (transport)")
+    add_kafka_args(p)
+    add_broker_args(p)
+    add_json_arg(p)
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return int(args.func(args))
+    except RlstreamError as e:
+        print(f"rlstream: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("rlstream: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""Shared fixtures. Integration tests run against a real Apache Kafka: the one named by
+``RLSTREAM_BOOTSTRAP`` (``infra/dev.sh test`` starts it), or else one this session
+starts in a temporary folder and stops at the end."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pipeline.kafka import KafkaConfig
+
+
+def free_port_pair() -> int:
+    """A port p such that p and p + 1 are free (client and controller)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port % 2 == 0 and port < 65000:
+            with socket.socket() as s2:
+                try:
+                    s2.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError("no free port pair")
+
+
+@pytest.fixture(scope="session")
+def bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    if os.environ.get("RLSTREAM_BOOTSTRAP"):
+        yield os.environ["RLSTREAM_BOOTSTRAP"]
+        return
+    from pipeline.broker import BrokerConfig, LocalBroker
+
+    data_dir: Path = tmp_path_factory.mktemp("broker")
+    broker = LocalBroker(BrokerConfig(data_dir=data_dir, port=free_port_pair()))
+    broker.start()
+    try:
+        yield broker.bootstrap
+    finally:
+        broker.stop()
+
+
+@pytest.fixture
+def kafka(bootstrap: str) -> KafkaConfig:
+    return KafkaConfig(bootstrap=bootstrap)
+
+
+@pytest.fixture
+def namespace() -> str:
+    """A fresh namespace per test, so tests never see each other's records."""
+    return f"t{uuid.uuid4().hex[:10]}"
