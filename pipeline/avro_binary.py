@@ -342,7 +342,8 @@ class _Generator:
                 conv = f"str({conv}, 'utf-8')"
             return [
                 *self.read("long", n, ind),
-                f"{ind}if {n} < 0 or {n} > len(buf) - pos: _bad_length({kind!r}, {n}, len(buf) - pos)",
+                f"{ind}if {n} < 0 or {n} > len(buf) - pos:",
+                f"{ind}    _bad_length({kind!r}, {n}, len(buf) - pos)",
                 f"{ind}{v} = {conv}",
                 f"{ind}pos += {n}",
             ]

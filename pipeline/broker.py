@@ -272,9 +272,7 @@ class LocalBroker:
     def properties(self, i: int) -> dict[str, str]:
         """``server.properties`` of node ``i``."""
         cfg = self.config
-        voters = ",".join(
-            f"{j + 1}@{cfg.host}:{cfg.controller_port(j)}" for j in range(cfg.nodes)
-        )
+        voters = ",".join(f"{j + 1}@{cfg.host}:{cfg.controller_port(j)}" for j in range(cfg.nodes))
         props = {
             "process.roles": "broker,controller",
             "node.id": str(i + 1),
@@ -341,9 +339,12 @@ class LocalBroker:
         self, java: str, lib: Path, home: Path, props: Path, node_dir: Path, i: int
     ) -> dict[str, Any]:
         cmd = [*self._java_cmd(java, lib, home, node_dir), "kafka.Kafka", str(props)]
-        out = open(node_dir / "stdout.log", "ab")  # noqa: SIM115 - handed to the child
+        out = open(node_dir / "stdout.log", "ab")
         proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
         out.close()
@@ -400,8 +401,9 @@ class LocalBroker:
             time.sleep(0.2)
         for pid in pids:
             if _alive(pid):
-                log.warning("broker pid=%d did not stop in %.0fs, killing", pid,
-                            self.config.stop_grace_s)
+                log.warning(
+                    "broker pid=%d did not stop in %.0fs, killing", pid, self.config.stop_grace_s
+                )
                 _signal(pid, signal.SIGKILL)
         _reap(pids)
         self.state_path.unlink(missing_ok=True)

@@ -42,37 +42,63 @@ def add_kafka_args(p: argparse.ArgumentParser) -> None:
         choices=["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"],
         help="(env RLSTREAM_SECURITY_PROTOCOL; default %(default)s)",
     )
-    g.add_argument("--sasl-mechanism", default=env_default("RLSTREAM_SASL_MECHANISM"),
-                   help="e.g. SCRAM-SHA-512 (env RLSTREAM_SASL_MECHANISM)")
-    g.add_argument("--sasl-username", default=env_default("RLSTREAM_SASL_USERNAME"),
-                   help="(env RLSTREAM_SASL_USERNAME)")
-    g.add_argument("--sasl-password", default=env_default("RLSTREAM_SASL_PASSWORD"),
-                   help="(env RLSTREAM_SASL_PASSWORD; prefer the variable to the flag)")
-    g.add_argument("--ssl-ca", default=env_default("RLSTREAM_SSL_CA"),
-                   help="CA certificate file (env RLSTREAM_SSL_CA)")
-    g.add_argument("--kafka-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="any librdkafka setting, passed through (repeatable)")
+    g.add_argument(
+        "--sasl-mechanism",
+        default=env_default("RLSTREAM_SASL_MECHANISM"),
+        help="e.g. SCRAM-SHA-512 (env RLSTREAM_SASL_MECHANISM)",
+    )
+    g.add_argument(
+        "--sasl-username",
+        default=env_default("RLSTREAM_SASL_USERNAME"),
+        help="(env RLSTREAM_SASL_USERNAME)",
+    )
+    g.add_argument(
+        "--sasl-password",
+        default=env_default("RLSTREAM_SASL_PASSWORD"),
+        help="(env RLSTREAM_SASL_PASSWORD; prefer the variable to the flag)",
+    )
+    g.add_argument(
+        "--ssl-ca",
+        default=env_default("RLSTREAM_SSL_CA"),
+        help="CA certificate file (env RLSTREAM_SSL_CA)",
+    )
+    g.add_argument(
+        "--kafka-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any librdkafka setting, passed through (repeatable)",
+    )
 
 
 def add_namespace_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--namespace", default=env_default("RLSTREAM_NAMESPACE", "rlstream"),
-                   help="experiment namespace (env RLSTREAM_NAMESPACE; default %(default)s)")
+    p.add_argument(
+        "--namespace",
+        default=env_default("RLSTREAM_NAMESPACE", "rlstream"),
+        help="experiment namespace (env RLSTREAM_NAMESPACE; default %(default)s)",
+    )
 
 
 def add_json_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON object as the last line of output")
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object as the last line of output"
+    )
 
 
 def add_broker_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data-dir", type=Path,
-                   default=Path(env_default("RLSTREAM_BROKER_DIR", ".rlstream/broker") or ""),
-                   help="local broker state and logs (env RLSTREAM_BROKER_DIR; "
-                   "default %(default)s)")
-    p.add_argument("--port", type=int, default=int(env_default("RLSTREAM_BROKER_PORT", "9092")
-                                                      or 9092),
-                   help="first client port; node i uses port+2i, its controller port+2i+1 "
-                   "(env RLSTREAM_BROKER_PORT; default %(default)s)")
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=Path(env_default("RLSTREAM_BROKER_DIR", ".rlstream/broker") or ""),
+        help="local broker state and logs (env RLSTREAM_BROKER_DIR; default %(default)s)",
+    )
+    p.add_argument(
+        "--port",
+        type=int,
+        default=int(env_default("RLSTREAM_BROKER_PORT", "9092") or 9092),
+        help="first client port; node i uses port+2i, its controller port+2i+1 "
+        "(env RLSTREAM_BROKER_PORT; default %(default)s)",
+    )
 
 
 def kafka_config(args: argparse.Namespace, bootstrap: str | None = None) -> KafkaConfig:
@@ -89,8 +115,9 @@ def kafka_config(args: argparse.Namespace, bootstrap: str | None = None) -> Kafk
         password=args.sasl_password,
         ssl_ca_location=args.ssl_ca,
     )
-    return KafkaConfig(bootstrap=bootstrap or args.bootstrap or "127.0.0.1:9092",
-                       security=security, extra=extra)
+    return KafkaConfig(
+        bootstrap=bootstrap or args.bootstrap or "127.0.0.1:9092", security=security, extra=extra
+    )
 
 
 class Cluster:
@@ -160,22 +187,33 @@ def cmd_broker(args: argparse.Namespace) -> int:
         state = broker.start()
         word = "already running" if was_running else "started"
         pids = ",".join(str(n["pid"]) for n in state["nodes"])
-        print_result(args, {"bootstrap": state["bootstrap"], "nodes": state["nodes"],
-                            "already_running": was_running},
-                     f"broker {word} bootstrap={state['bootstrap']} nodes={len(state['nodes'])} "
-                     f"pids={pids} data_dir={broker.data_dir}")
+        print_result(
+            args,
+            {
+                "bootstrap": state["bootstrap"],
+                "nodes": state["nodes"],
+                "already_running": was_running,
+            },
+            f"broker {word} bootstrap={state['bootstrap']} nodes={len(state['nodes'])} "
+            f"pids={pids} data_dir={broker.data_dir}",
+        )
         return 0
     if args.action == "stop":
         stopped = broker.stop()
-        print_result(args, {"stopped": stopped},
-                     "broker stopped" if stopped else "broker was not running")
+        print_result(
+            args, {"stopped": stopped}, "broker stopped" if stopped else "broker was not running"
+        )
         return 0
     status = broker.status()
     if not status["running"]:
         print_result(args, status, f"broker not running (data_dir={status['data_dir']})")
         return 3
-    print_result(args, status, f"broker running bootstrap={status['bootstrap']} "
-                 f"answering={status['answering']} nodes={len(status['nodes'])}")
+    print_result(
+        args,
+        status,
+        f"broker running bootstrap={status['bootstrap']} "
+        f"answering={status['answering']} nodes={len(status['nodes'])}",
+    )
     return 0
 
 
@@ -183,13 +221,18 @@ def cmd_topics(args: argparse.Namespace) -> int:
     from pipeline.topics import ensure_topics, namespace_topics
 
     envs = [e.strip() for e in args.envs.split(",") if e.strip()]
-    specs = namespace_topics(args.namespace, envs, args.partitions,
-                             replication=args.replication)
+    specs = namespace_topics(args.namespace, envs, args.partitions, replication=args.replication)
     states = ensure_topics(kafka_config(args), specs)
-    lines = [f"{s.action:8} {s.name} partitions={s.partitions} replication={s.replication} "
-             + " ".join(f"{k}={v}" for k, v in sorted(s.config.items())) for s in states]
-    print_result(args, {"topics": [s.__dict__ | {"config": dict(s.config)} for s in states]},
-                 "\n".join(lines))
+    lines = [
+        f"{s.action:8} {s.name} partitions={s.partitions} replication={s.replication} "
+        + " ".join(f"{k}={v}" for k, v in sorted(s.config.items()))
+        for s in states
+    ]
+    print_result(
+        args,
+        {"topics": [s.__dict__ | {"config": dict(s.config)} for s in states]},
+        "\n".join(lines),
+    )
     return 0
 
 
@@ -216,8 +259,11 @@ def format_bench(result: dict[str, Any]) -> str:
     lines = [f"bench {result['bench']}"]
     for section in ("figures", "ratios"):
         for k, v in result.get(section, {}).items():
-            lines.append(f"  {section[:-1]:6} {k:32} {v:,.4g}" if isinstance(v, float)
-                         else f"  {section[:-1]:6} {k:32} {v}")
+            lines.append(
+                f"  {section[:-1]:6} {k:32} {v:,.4g}"
+                if isinstance(v, float)
+                else f"  {section[:-1]:6} {k:32} {v}"
+            )
     for k, v in result.get("goals", {}).items():
         lines.append(f"  goal   {k:32} {v}")
     return "\n".join(lines)
@@ -235,8 +281,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("broker", help="start, stop or inspect the local Apache Kafka (KRaft)")
     p.add_argument("action", choices=["start", "stop", "status"])
-    p.add_argument("--nodes", type=int, default=1,
-                   help="1, or 3 for a local cluster with replication 3 and min.insync.replicas 2")
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="1, or 3 for a local cluster with replication 3 and min.insync.replicas 2",
+    )
     add_broker_args(p)
     add_json_arg(p)
     p.set_defaults(func=cmd_broker)
@@ -246,14 +296,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_namespace_arg(p)
     p.add_argument("--envs", required=True, help="comma-separated environment names")
     p.add_argument("--partitions", type=int, default=4, help="partitions per rollout topic")
-    p.add_argument("--replication", type=int, default=None,
-                   help="replication factor (default: the broker's)")
+    p.add_argument(
+        "--replication", type=int, default=None, help="replication factor (default: the broker's)"
+    )
     add_kafka_args(p)
     add_json_arg(p)
     p.set_defaults(func=cmd_topics)
 
-    p = sub.add_parser("run", help="the main job: an end-to-end round trip of trajectories "
-                       "through Kafka (starts the local broker unless --bootstrap is given)")
+    p = sub.add_parser(
+        "run",
+        help="the main job: an end-to-end round trip of trajectories "
+        "through Kafka (starts the local broker unless --bootstrap is given)",
+    )
     add_namespace_arg(p)
     p.add_argument("--trajectories", type=int, default=2000, help="how many to send")
     p.add_argument("--tokens", type=int, default=4096, help="tokens per trajectory")

@@ -24,7 +24,6 @@ import numpy as np
 from fastavro import schemaless_reader
 
 from pipeline.avro_binary import CompiledSchema
-
 from pipeline.errors import InvalidTrajectoryError, RecordDecodeError
 from pipeline.schema_store import Schema, SchemaStore, default_store
 from pipeline.trajectory import Timings, Trajectory, Turn, VersionSpan, find_violation
@@ -32,6 +31,7 @@ from pipeline.trajectory import Timings, Trajectory, Turn, VersionSpan, find_vio
 MARKER = b"\xc3\x01"
 HEADER_SIZE = len(MARKER) + 8
 MAX_TENSOR_DIMS = 8
+
 
 def _dtypes() -> dict[str, np.dtype[Any]]:
     import ml_dtypes  # shipped with jax
@@ -136,8 +136,10 @@ class AvroCodec:
         try:
             value = schemaless_reader(body, writer.parsed, self.schema.parsed)
         except Exception as e:  # resolution failures: a symbol or field the reader lacks
-            raise RecordDecodeError("bad_enum" if "symbol" in str(e).lower() else "invalid",
-                                    f"cannot read {writer.name} into this version: {e}") from None
+            raise RecordDecodeError(
+                "bad_enum" if "symbol" in str(e).lower() else "invalid",
+                f"cannot read {writer.name} into this version: {e}",
+            ) from None
         return CompiledSchema(self.schema.canonical_form).encode(value)
 
 
@@ -186,11 +188,11 @@ class TrajectoryCodec:
             raise InvalidTrajectoryError(f"invalid: {e}") from None
 
     def decode(self, data: bytes | bytearray | memoryview) -> Trajectory:
-        t = self._avro.decode(data)
+        t: Trajectory = self._avro.decode(data)
         violation = find_violation(t)
         if violation is not None:
             raise RecordDecodeError(*violation)
-        return t  # type: ignore[no-any-return]
+        return t
 
     def headers(self, t: Trajectory) -> list[tuple[str, bytes]]:
         """Kafka headers that let a consumer filter without decoding the value."""
@@ -284,8 +286,9 @@ def to_avro_dict(t: Trajectory) -> dict[str, Any]:
         "env": t.env,
         "tokenizer_id": t.tokenizer_id,
         **{
-            name: dict(zip(("dtype", "shape", "data"), _tensor_fields(getattr(t, name)),
-                           strict=True))
+            name: dict(
+                zip(("dtype", "shape", "data"), _tensor_fields(getattr(t, name)), strict=True)
+            )
             for name in ("tokens", "loss_mask", "logprobs")
         },
         "version_spans": [s._asdict() for s in t.version_spans],

@@ -56,7 +56,7 @@ def load_schema_json(name: str) -> dict[str, Any]:
 def parse(schema_json: Mapping[str, Any], named: dict[str, Any] | None = None) -> Schema:
     """Parse a schema (resolving named types in ``named``) into a :class:`Schema`."""
     named = {} if named is None else named
-    parsed = parse_schema(dict(schema_json), named_schemas=named)
+    parsed: Any = parse_schema(dict(schema_json), named_schemas=named)
     return Schema(str(parsed["name"]), parsed, schema_fingerprint(parsed))
 
 
@@ -83,8 +83,9 @@ def expand_references(schema_json: Any, definitions: Mapping[str, Any]) -> Any:
             name = node["name"]
             defined.add(name if "." in name else f"{namespace}.{name}")
         for key in ("type", "items", "values"):
-            if key in node and not (key == "type" and isinstance(node[key], str)
-                                    and node[key] in _AVRO_KINDS):
+            if key in node and not (
+                key == "type" and isinstance(node[key], str) and node[key] in _AVRO_KINDS
+            ):
                 node[key] = walk(node[key], namespace)
         if "fields" in node:
             node["fields"] = [dict(f, type=walk(f["type"], namespace)) for f in node["fields"]]

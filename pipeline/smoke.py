@@ -16,7 +16,7 @@ import numpy as np
 from pipeline.cli import Cluster, StopFlag, print_result
 from pipeline.testing import make_trajectory
 from pipeline.topics import ensure_topics, namespace_topics, rollout_topic
-from pipeline.transport import Decoded, TrajectoryReader, TrajectoryWriter
+from pipeline.transport import Rejected, TrajectoryReader, TrajectoryWriter
 
 ENV = "synthetic"
 
@@ -28,17 +28,23 @@ def run_round_trip(args: argparse.Namespace) -> int:
         rng = np.random.default_rng(0)
         run_id = f"{int(time.time())}"
         writer = TrajectoryWriter(kafka, args.namespace)
-        reader = TrajectoryReader(kafka, [rollout_topic(args.namespace, ENV)],
-                                  f"{args.namespace}.smoke.{run_id}",
-                                  **{"auto.offset.reset": "latest"})
-        _wait_assigned(reader)
+        reader = TrajectoryReader(
+            kafka, [rollout_topic(args.namespace, ENV)], f"{args.namespace}.smoke.{run_id}"
+        )
         sent: dict[str, float] = {}
         t0 = time.perf_counter()
         for i in range(args.trajectories):
             if stop:
                 break
-            t = make_trajectory(args.tokens, rng=rng, env=ENV, group_id=f"{run_id}-{i // 8}",
-                                group_size=8, group_index=i % 8, reward=float(i))
+            t = make_trajectory(
+                args.tokens,
+                rng=rng,
+                env=ENV,
+                group_id=f"{run_id}-{i // 8}",
+                group_size=8,
+                group_index=i % 8,
+                reward=float(i),
+            )
             writer.write(t)
             sent[t.trajectory_id] = t.reward
             if (i + 1) % 500 == 0:
@@ -50,10 +56,10 @@ def run_round_trip(args: argparse.Namespace) -> int:
         deadline = time.monotonic() + 120
         while len(received) < len(sent) and time.monotonic() < deadline and not stop:
             for r in reader.poll_batch(512):
-                if isinstance(r, Decoded):
-                    received[r.trajectory.trajectory_id] = r.trajectory.reward
-                else:
+                if isinstance(r, Rejected):
                     rejected += 1
+                elif r.trajectory.trajectory_id in sent:  # skip earlier runs' records
+                    received[r.trajectory.trajectory_id] = r.trajectory.reward
         consume_s = time.perf_counter() - t0
         reader.close()
     ok = received == sent and rejected == 0
@@ -69,17 +75,12 @@ def run_round_trip(args: argparse.Namespace) -> int:
             "end_to_end_s": round(consume_s, 2),
         },
     }
-    text = (f"round trip {'OK' if ok else 'FAILED'}: sent={len(sent)} received={len(received)} "
-            f"rejected={rejected} size={mb:.1f}MB produce={len(sent) / produce_s:.0f}/s "
-            f"end_to_end={consume_s:.1f}s")
+    text = (
+        f"round trip {'OK' if ok else 'FAILED'}: sent={len(sent)} received={len(received)} "
+        f"rejected={rejected} size={mb:.1f}MB produce={len(sent) / produce_s:.0f}/s "
+        f"end_to_end={consume_s:.1f}s"
+    )
     print_result(args, result, text)
     if not ok:
         print("rlstream run: records were lost, changed or rejected", file=sys.stderr)
     return 0 if ok else 1
-
-
-def _wait_assigned(reader: TrajectoryReader, timeout: float = 30.0) -> None:
-    """Join the group before producing, so that ``latest`` starts before the first record."""
-    deadline = time.monotonic() + timeout
-    while not reader.consumer.assignment() and time.monotonic() < deadline:
-        reader.poll_batch(1, 0.2)

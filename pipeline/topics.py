@@ -139,8 +139,9 @@ _admin_retry = retry(
 
 
 @_admin_retry
-def ensure_topics(kafka: KafkaConfig, specs: Iterable[TopicSpec], timeout: float = 30.0
-                  ) -> list[TopicState]:
+def ensure_topics(
+    kafka: KafkaConfig, specs: Iterable[TopicSpec], timeout: float = 30.0
+) -> list[TopicState]:
     """Create the topics that are missing, grow partition counts that are too small,
     and leave the rest alone. Safe to call any number of times, from any process."""
     specs = list(specs)
@@ -216,4 +217,4 @@ def rollout_topics(kafka: KafkaConfig, namespace: str, timeout: float = 30.0) ->
     """The namespace's existing rollout topics, as ``{env: topic}``."""
     prefix = f"{check_name('namespace', namespace)}{ROLLOUTS}"
     md = kafka.admin().list_topics(timeout=timeout)
-    return {t[len(prefix):]: t for t in sorted(md.topics) if t.startswith(prefix)}
+    return {t[len(prefix) :]: t for t in sorted(md.topics) if t.startswith(prefix)}

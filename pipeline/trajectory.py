@@ -132,7 +132,7 @@ def find_violation(t: Trajectory) -> tuple[str, str] | None:
     for s in t.version_spans:
         if not prev_end <= s.start < s.end <= n or s.version < 0:
             return "bad_span", f"version span {tuple(s)} out of order or outside [0, {n})"
-        covered += np.count_nonzero(mask[s.start : s.end])
+        covered += int(np.count_nonzero(mask[s.start : s.end]))
         prev_end = s.end
     if covered != np.count_nonzero(mask):
         return "bad_span", "version spans do not cover every policy token"

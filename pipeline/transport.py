@@ -29,8 +29,13 @@ log = logging.getLogger(__name__)
 class TrajectoryWriter:
     """Produces trajectories to ``<ns>.rollouts.<env>`` with the codec's headers."""
 
-    def __init__(self, kafka: KafkaConfig, namespace: str, codec: TrajectoryCodec | None = None,
-                 **producer_overrides: Any) -> None:
+    def __init__(
+        self,
+        kafka: KafkaConfig,
+        namespace: str,
+        codec: TrajectoryCodec | None = None,
+        **producer_overrides: Any,
+    ) -> None:
         self.namespace = namespace
         self.codec = codec or TrajectoryCodec()
         self._producer = kafka.producer(**producer_overrides)
@@ -47,15 +52,17 @@ class TrajectoryWriter:
         value = self.codec.encode(t)
         self.write_encoded(t.env, t.group_id, value, self.codec.headers(t))
 
-    def write_encoded(self, env: str, key: str, value: bytes,
-                      headers: Sequence[tuple[str, bytes]]) -> None:
+    def write_encoded(
+        self, env: str, key: str, value: bytes, headers: Sequence[tuple[str, bytes]]
+    ) -> None:
         topic = self._topics.get(env)
         if topic is None:
             topic = self._topics[env] = rollout_topic(self.namespace, env)
         while True:
             try:
-                self._producer.produce(topic, value, key.encode(), headers=list(headers),
-                                       on_delivery=self._on_delivery)
+                self._producer.produce(
+                    topic, value, key.encode(), headers=list(headers), on_delivery=self._on_delivery
+                )
                 break
             except BufferError:  # local queue full: serve callbacks, then retry
                 self._producer.poll(0.05)
@@ -126,16 +133,21 @@ class TrajectoryReader:
     """Consumes rollout topics as a member of ``group_id`` and decodes each record.
     Commits are the caller's (auto-commit is off)."""
 
-    def __init__(self, kafka: KafkaConfig, topics: Iterable[str], group_id: str | None,
-                 codec: TrajectoryCodec | None = None, **consumer_overrides: Any) -> None:
+    def __init__(
+        self,
+        kafka: KafkaConfig,
+        topics: Iterable[str],
+        group_id: str | None,
+        codec: TrajectoryCodec | None = None,
+        **consumer_overrides: Any,
+    ) -> None:
         self.codec = codec or TrajectoryCodec()
         self.consumer = kafka.consumer(group_id, **consumer_overrides)
         self.topics = list(topics)
         with kafka_errors("subscribing"):
             self.consumer.subscribe(self.topics)
 
-    def poll_batch(self, max_records: int = 256, timeout: float = 0.5
-                   ) -> list[Decoded | Rejected]:
+    def poll_batch(self, max_records: int = 256, timeout: float = 0.5) -> list[Decoded | Rejected]:
         with kafka_errors("consuming"):
             msgs = self.consumer.consume(max_records, timeout)
         out: list[Decoded | Rejected] = []
@@ -169,8 +181,9 @@ class TrajectoryReader:
         deadline = time.monotonic() + timeout
         while len(out) < count:
             if time.monotonic() > deadline:
-                raise KafkaClientError(f"read {len(out)} of {count} records in {timeout:.0f}s",
-                                       retriable=True)
+                raise KafkaClientError(
+                    f"read {len(out)} of {count} records in {timeout:.0f}s", retriable=True
+                )
             out.extend(self.poll_batch(min(1024, count - len(out))))
         return out
 

@@ -7,8 +7,9 @@ import time
 from collections.abc import Callable, Mapping
 
 
-def rates(contenders: Mapping[str, Callable[[], object]], seconds: float, rounds: int
-          ) -> dict[str, float]:
+def rates(
+    contenders: Mapping[str, Callable[[], object]], seconds: float, rounds: int
+) -> dict[str, float]:
     """Operations per second of each contender: ``rounds`` interleaved rounds of about
     ``seconds`` each, median of the rounds (so drift of the machine hits all alike)."""
     samples: dict[str, list[float]] = {name: [] for name in contenders}

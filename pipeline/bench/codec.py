@@ -55,9 +55,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         buf = io.BytesIO()
         schemaless_writer(buf, schema, d)
         buf.seek(0)
-        back = schemaless_reader(buf, schema, None)
-        for name, dtype in (("tokens", np.int32), ("loss_mask", np.uint8),
-                            ("logprobs", np.float32)):
+        back: Any = schemaless_reader(buf, schema, None)
+        for name, dtype in (
+            ("tokens", np.int32),
+            ("loss_mask", np.uint8),
+            ("logprobs", np.float32),
+        ):
             back[name] = np.asarray(back[name], dtype=dtype)
 
     buf = io.BytesIO()

@@ -45,7 +45,7 @@ def _measure(kafka: KafkaConfig, n: int, tokens: int) -> dict[str, Any]:
     ns = f"bench{run_id}"
     ours_topic, tool_topic = f"{ns}.rollouts.{ENV}", f"{ns}.tools"
     size = {"max.message.bytes": str(MAX_MESSAGE_BYTES)}
-    ensure_topics(kafka, [TopicSpec(ours_topic, 1, None, size), TopicSpec(tool_topic, 1, None, size)])
+    ensure_topics(kafka, [TopicSpec(t, 1, None, size) for t in (ours_topic, tool_topic)])
 
     # Pre-built trajectories (generation is not what is measured), encoded in the loop.
     rng = np.random.default_rng(0)
@@ -104,9 +104,16 @@ def _java_tool(main_class: str, *tool_args: str) -> str:
     lib = ensure_jars(home)
     logs = Path("/tmp") / f"rlstream-bench-{uuid.uuid4().hex[:6]}"
     logs.mkdir(parents=True, exist_ok=True)
-    cmd = [java, "-Xmx512m", f"-Dkafka.logs.dir={logs}",
-           f"-Dlog4j2.configurationFile={home / 'log4j2.properties'}",
-           "-cp", str(lib / "*"), main_class, *tool_args]
+    cmd = [
+        java,
+        "-Xmx512m",
+        f"-Dkafka.logs.dir={logs}",
+        f"-Dlog4j2.configurationFile={home / 'log4j2.properties'}",
+        "-cp",
+        str(lib / "*"),
+        main_class,
+        *tool_args,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{main_class} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
@@ -116,10 +123,20 @@ def _java_tool(main_class: str, *tool_args: str) -> str:
 def _producer_perf(kafka: KafkaConfig, topic: str, n: int, size: int) -> dict[str, float]:
     out = _java_tool(
         "org.apache.kafka.tools.ProducerPerformance",
-        "--topic", topic, "--num-records", str(n), "--record-size", str(size),
-        "--throughput", "-1",
-        "--producer-props", f"bootstrap.servers={kafka.bootstrap}", "acks=all",
-        "enable.idempotence=true", "compression.type=lz4", "linger.ms=5",
+        "--topic",
+        topic,
+        "--num-records",
+        str(n),
+        "--record-size",
+        str(size),
+        "--throughput",
+        "-1",
+        "--producer-props",
+        f"bootstrap.servers={kafka.bootstrap}",
+        "acks=all",
+        "enable.idempotence=true",
+        "compression.type=lz4",
+        "linger.ms=5",
         f"max.request.size={MAX_MESSAGE_BYTES}",
     )
     matches = _PRODUCER_PERF.findall(out)
@@ -132,8 +149,14 @@ def _producer_perf(kafka: KafkaConfig, topic: str, n: int, size: int) -> dict[st
 def _consumer_perf(kafka: KafkaConfig, topic: str, n: int) -> dict[str, float]:
     out = _java_tool(
         "org.apache.kafka.tools.ConsumerPerformance",
-        "--bootstrap-server", kafka.bootstrap, "--topic", topic, "--messages", str(n),
-        "--timeout", "120000",
+        "--bootstrap-server",
+        kafka.bootstrap,
+        "--topic",
+        topic,
+        "--messages",
+        str(n),
+        "--timeout",
+        "120000",
     )
     lines = [ln for ln in out.strip().splitlines() if ln.strip()]
     header = [h.strip() for h in lines[-2].split(",")]

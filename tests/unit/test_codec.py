@@ -90,8 +90,9 @@ def test_fastavro_reads_the_body(codec: TrajectoryCodec) -> None:
 
     t = make_trajectory(32, rng=np.random.default_rng(3))
     data = codec.encode(t)
-    datum = schemaless_reader(io.BytesIO(data[10:]), default_store().reader("Trajectory").parsed,
-                              None)
+    datum = schemaless_reader(
+        io.BytesIO(data[10:]), default_store().reader("Trajectory").parsed, None
+    )
     assert datum["logprobs"]["data"] == t.logprobs.tobytes()
     assert datum["version_spans"] == [s._asdict() for s in t.version_spans]
 
@@ -118,8 +119,14 @@ def test_headers_carry_what_filtering_needs(codec: TrajectoryCodec) -> None:
 
 
 def test_malformed_headers_read_as_missing() -> None:
-    h = TrajectoryHeaders.parse([("rlstream.version.min", b"x1"), ("rlstream.env", b"\xff"),
-                                 ("rlstream.schema", b"zz"), ("rlstream.tokens", None)])
+    h = TrajectoryHeaders.parse(
+        [
+            ("rlstream.version.min", b"x1"),
+            ("rlstream.env", b"\xff"),
+            ("rlstream.schema", b"zz"),
+            ("rlstream.tokens", None),
+        ]
+    )
     assert h == TrajectoryHeaders(None, None, None, None, None, None)
     assert TrajectoryHeaders.parse(None).min_version is None
 
@@ -152,8 +159,9 @@ def _with(t: Trajectory, **changes: object) -> Trajectory:
         ({"loss_mask": np.full(10, 2, np.uint8)}, "invalid"),
     ],
 )
-def test_encode_refuses_contract_violations(codec: TrajectoryCodec, changes: dict[str, object],
-                                            reason: str) -> None:
+def test_encode_refuses_contract_violations(
+    codec: TrajectoryCodec, changes: dict[str, object], reason: str
+) -> None:
     t = _with(make_trajectory(10, turns=2), **changes)
     with pytest.raises(InvalidTrajectoryError, match=reason):
         codec.encode(t)
@@ -188,7 +196,7 @@ def test_truncated_bytes(codec: TrajectoryCodec, good: bytes) -> None:
 def test_wrong_marker_and_trailing_bytes(codec: TrajectoryCodec, good: bytes) -> None:
     assert _reason(codec, b"") == "bad_marker"
     assert _reason(codec, b"\x00\x01" + good[2:]) == "bad_marker"
-    assert _reason(codec, b"{\"json\": true}") == "bad_marker"
+    assert _reason(codec, b'{"json": true}') == "bad_marker"
     assert _reason(codec, good + b"\x00") == "trailing_bytes"
 
 

@@ -3,6 +3,8 @@ or hang the decoder (only RecordDecodeError, quickly)."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -19,29 +21,46 @@ finite = st.floats(allow_nan=False, allow_infinity=False, width=64)
 @st.composite
 def trajectories(draw: st.DrawFn) -> Trajectory:
     n = draw(st.integers(0, 300))
-    tokens = np.asarray(draw(st.lists(st.integers(-(2**31), 2**31 - 1), min_size=n,
-                                      max_size=n)), dtype="<i4")
+    tokens = np.asarray(
+        draw(st.lists(st.integers(-(2**31), 2**31 - 1), min_size=n, max_size=n)), dtype="<i4"
+    )
     mask = np.asarray(draw(st.lists(st.integers(0, 1), min_size=n, max_size=n)), dtype="u1")
-    lp = np.where(mask == 1, -np.asarray(draw(st.lists(st.floats(0, 50, width=32), min_size=n,
-                                                         max_size=n)) or [0.0] * n), 0)
-    cuts = sorted(set(draw(st.lists(st.integers(0, n), max_size=6)) + [0, n]))
+    lp = np.where(
+        mask == 1,
+        -np.asarray(
+            draw(st.lists(st.floats(0, 50, width=32), min_size=n, max_size=n)) or [0.0] * n
+        ),
+        0,
+    )
+    cuts = sorted(set([*draw(st.lists(st.integers(0, n), max_size=6)), 0, n]))
     spans, turns = [], []
     version = draw(st.integers(0, 2**40))
-    for a, b in zip(cuts, cuts[1:], strict=False):
+    for a, b in itertools.pairwise(cuts):
         if b > a:
             spans.append(VersionSpan(a, b, version))
             version += draw(st.integers(0, 3))
             turns.append(Turn(draw(st.sampled_from(ROLES)), a, b, draw(text), draw(finite)))
     size = draw(st.integers(1, 64))
     return Trajectory(
-        trajectory_id=draw(text), group_id=draw(text), group_size=size,
-        group_index=draw(st.integers(0, size - 1)), task_id=draw(text), producer_id=draw(text),
-        env=draw(text), tokenizer_id=draw(text), tokens=tokens, loss_mask=mask,
-        logprobs=lp.astype("<f4"), version_spans=spans, turns=turns, reward=draw(finite),
+        trajectory_id=draw(text),
+        group_id=draw(text),
+        group_size=size,
+        group_index=draw(st.integers(0, size - 1)),
+        task_id=draw(text),
+        producer_id=draw(text),
+        env=draw(text),
+        tokenizer_id=draw(text),
+        tokens=tokens,
+        loss_mask=mask,
+        logprobs=lp.astype("<f4"),
+        version_spans=spans,
+        turns=turns,
+        reward=draw(finite),
         rewards=draw(st.dictionaries(text, finite, max_size=3)),
         status=draw(st.sampled_from(STATUSES)),
-        timings=Timings(draw(st.integers(0, 2**50)), draw(st.integers(0, 2**50)),
-                        draw(finite), draw(finite)),
+        timings=Timings(
+            draw(st.integers(0, 2**50)), draw(st.integers(0, 2**50)), draw(finite), draw(finite)
+        ),
         metadata=draw(st.dictionaries(text, text, max_size=3)),
     )
 

@@ -34,8 +34,11 @@ def _older() -> Schema:
 
 
 def test_versions_have_distinct_fingerprints() -> None:
-    fps = {default_store().reader("Trajectory").fingerprint, _newer().fingerprint,
-           _older().fingerprint}
+    fps = {
+        default_store().reader("Trajectory").fingerprint,
+        _newer().fingerprint,
+        _older().fingerprint,
+    }
     assert len(fps) == 3
 
 
@@ -119,5 +122,7 @@ def test_new_enum_symbol_unknown_to_old_reader() -> None:
     assert e.value.reason == "bad_enum"
     # a known symbol from the same newer writer still reads
     d["status"] = "timeout"
-    assert TrajectoryCodec(store).decode(AvroCodec("Trajectory", new_store).encode(d)).status \
+    assert (
+        TrajectoryCodec(store).decode(AvroCodec("Trajectory", new_store).encode(d)).status
         == "timeout"
+    )
