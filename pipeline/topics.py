@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from confluent_kafka import KafkaError, KafkaException
-from confluent_kafka.admin import NewPartitions, NewTopic
+from confluent_kafka.admin import AdminClient, NewPartitions, NewTopic
 from tenacity import (
     before_sleep_log,
     retry,
@@ -180,7 +181,26 @@ def ensure_topics(
                 actions[name] = "grown"
             except KafkaException as e:
                 raise wrap_error(e, f"adding partitions to {name}") from e
+    _wait_visible(admin, [s.name for s in specs], timeout)
     return describe_topics(kafka, [s.name for s in specs], actions, timeout)
+
+
+def _wait_visible(admin: AdminClient, names: Sequence[str], timeout: float) -> None:
+    """Wait until every broker answering metadata knows the topics and their leaders
+    (creation reaches the nodes of a cluster one after another)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        md = admin.list_topics(timeout=timeout).topics
+        ready = all(
+            n in md
+            and md[n].error is None
+            and md[n].partitions
+            and all(p.leader >= 0 for p in md[n].partitions.values())
+            for n in names
+        )
+        if ready or time.monotonic() > deadline:
+            return
+        time.sleep(0.2)
 
 
 def describe_topics(
@@ -196,11 +216,18 @@ def describe_topics(
     md = admin.list_topics(timeout=timeout).topics
     resources = [ConfigResource(ResourceType.TOPIC, n) for n in names]
     configs: dict[str, dict[str, str]] = {}
-    for res, fut in admin.describe_configs(resources, request_timeout=timeout).items():
-        try:
-            entries = fut.result()
-        except KafkaException as e:
-            raise wrap_error(e, f"describing topic {res.name}") from e
+    deadline = time.monotonic() + timeout
+    for res in resources:
+        while True:
+            try:
+                entries = admin.describe_configs([res], request_timeout=timeout)[res].result()
+                break
+            except KafkaException as e:
+                # a node that has not heard of a new topic yet answers "unknown": ask again
+                unknown = e.args[0].code() == KafkaError.UNKNOWN_TOPIC_OR_PART
+                if not unknown or time.monotonic() > deadline:
+                    raise wrap_error(e, f"describing topic {res.name}") from e
+                time.sleep(0.2)
         configs[res.name] = {
             k: str(v.value) for k, v in entries.items() if not v.is_default and v.value is not None
         }

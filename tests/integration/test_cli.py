@@ -1,0 +1,104 @@
+"""The CLI against the real broker: topics, the main job, benchmarks' output shape."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.integration.test_broker import rlstream
+
+pytestmark = pytest.mark.integration
+
+
+def last_json(stdout: str) -> dict:
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def test_topics_create_is_idempotent_and_describes(bootstrap: str, namespace: str) -> None:
+    args = [
+        "topics",
+        "create",
+        "--bootstrap",
+        bootstrap,
+        "--namespace",
+        namespace,
+        "--envs",
+        "guess,calc",
+        "--partitions",
+        "3",
+        "--json",
+    ]
+    first = rlstream(*args)
+    assert first.returncode == 0, first.stderr
+    topics = {t["name"]: t for t in last_json(first.stdout)["topics"]}
+    assert set(topics) == {
+        f"{namespace}.rollouts.guess",
+        f"{namespace}.rollouts.calc",
+        f"{namespace}.weights",
+        f"{namespace}.deadletter",
+        f"{namespace}.telemetry",
+    }
+    assert topics[f"{namespace}.rollouts.guess"]["partitions"] == 3
+    assert topics[f"{namespace}.weights"]["config"]["cleanup.policy"] == "compact"
+    assert "created" in first.stdout
+    second = rlstream(*args)
+    assert {t["action"] for t in last_json(second.stdout)["topics"]} == {"exists"}
+
+
+def test_bad_namespace_is_a_clear_error(bootstrap: str) -> None:
+    result = rlstream(
+        "topics", "create", "--bootstrap", bootstrap, "--namespace", "a.b", "--envs", "x"
+    )
+    assert result.returncode == 2
+    assert "namespace 'a.b'" in result.stderr
+
+
+def test_main_job_round_trip(bootstrap: str, namespace: str) -> None:
+    result = rlstream(
+        "run",
+        "--bootstrap",
+        bootstrap,
+        "--namespace",
+        namespace,
+        "--trajectories",
+        "120",
+        "--tokens",
+        "512",
+        "--json",
+    )
+    assert result.returncode == 0, result.stderr
+    out = last_json(result.stdout)
+    assert out["ok"] is True
+    assert out["figures"]["sent"] == out["figures"]["received"] == 120
+
+
+def test_bench_codec_prints_ratios() -> None:
+    result = rlstream(
+        "bench", "codec", "--seconds", "0.05", "--rounds", "1", "--tokens", "256", "--json"
+    )
+    assert result.returncode == 0, result.stderr
+    out = last_json(result.stdout)
+    assert out["bench"] == "codec"
+    assert set(out["ratios"]) == {"vs_pickle", "vs_avro_arrays"}
+    assert all(v > 0 for v in out["ratios"].values())
+
+
+def test_bench_transport_runs_next_to_kafka_tools(bootstrap: str) -> None:
+    result = rlstream(
+        "bench",
+        "transport",
+        "--bootstrap",
+        bootstrap,
+        "--records",
+        "200",
+        "--tokens",
+        "1024",
+        "--json",
+    )
+    assert result.returncode == 0, result.stderr
+    out = last_json(result.stdout)
+    assert out["figures"]["consumed"] == 200
+    assert out["figures"]["kafka_producer_perf_per_s"] > 0
+    assert out["figures"]["kafka_consumer_perf_per_s"] > 0
+    assert out["ratios"]["vs_kafka_tools"] > 0

@@ -1,0 +1,138 @@
+"""Client and broker configuration: workload defaults, consistent size limits, secrets
+kept out of logs, docker-compose agreeing with the local broker."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from confluent_kafka import KafkaError, KafkaException
+
+from pipeline.broker import (
+    WORKLOAD_SETTINGS,
+    BrokerConfig,
+    LocalBroker,
+    replication_settings,
+)
+from pipeline.errors import InvalidConfigError, KafkaClientError
+from pipeline.kafka import MAX_MESSAGE_BYTES, KafkaConfig, SecurityConfig, redact, wrap_error
+from pipeline.topics import namespace_topics
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_producer_defaults_are_safe_and_sized() -> None:
+    conf = KafkaConfig().producer_config()
+    assert conf["enable.idempotence"] is True
+    assert conf["acks"] == "all"
+    assert conf["compression.type"] != "none"
+    assert conf["message.max.bytes"] == MAX_MESSAGE_BYTES
+
+
+def test_consumer_defaults_commit_manually_and_fetch_big_records() -> None:
+    conf = KafkaConfig().consumer_config("g")
+    assert conf["enable.auto.commit"] is False
+    assert conf["max.partition.fetch.bytes"] >= MAX_MESSAGE_BYTES
+    assert conf["fetch.max.bytes"] >= MAX_MESSAGE_BYTES
+    assert conf["receive.message.max.bytes"] > conf["fetch.max.bytes"]
+
+
+def test_size_limits_agree_across_broker_topics_and_clients() -> None:
+    assert int(WORKLOAD_SETTINGS["message.max.bytes"]) == MAX_MESSAGE_BYTES
+    assert int(WORKLOAD_SETTINGS["replica.fetch.max.bytes"]) >= MAX_MESSAGE_BYTES
+    for spec in namespace_topics("ns", ["a"], 2):
+        assert int(spec.config["max.message.bytes"]) == MAX_MESSAGE_BYTES
+    assert WORKLOAD_SETTINGS["auto.create.topics.enable"] == "false"
+
+
+def test_extra_librdkafka_keys_pass_through_and_win() -> None:
+    conf = KafkaConfig(extra={"linger.ms": "50", "statistics.interval.ms": "1000"})
+    p = conf.producer_config()
+    assert p["linger.ms"] == "50" and p["statistics.interval.ms"] == "1000"
+
+
+def test_secrets_never_appear_in_repr_or_redacted_config() -> None:
+    sec = SecurityConfig("SASL_SSL", "SCRAM-SHA-512", "alice", "hunter2")
+    kc = KafkaConfig(security=sec)
+    assert "hunter2" not in repr(kc)
+    conf = kc.producer_config()
+    assert conf["sasl.password"] == "hunter2"
+    assert "hunter2" not in str(redact(conf))
+    assert conf["security.protocol"] == "sasl_ssl"
+
+
+def test_bad_security_settings_say_what_is_wrong() -> None:
+    with pytest.raises(InvalidConfigError, match="username and a password"):
+        SecurityConfig("SASL_PLAINTEXT")
+    with pytest.raises(InvalidConfigError, match="not one of"):
+        SecurityConfig("KERBEROS?")
+    with pytest.raises(InvalidConfigError):
+        KafkaConfig(bootstrap=" ")
+
+
+def test_kafka_errors_become_rlstream_errors_with_code_and_retriable() -> None:
+    err = KafkaError(KafkaError._TRANSPORT, "broker down", retriable=True)
+    wrapped = wrap_error(KafkaException(err), "listing topics")
+    assert isinstance(wrapped, KafkaClientError)
+    assert wrapped.code == KafkaError._TRANSPORT and wrapped.retriable
+    assert "listing topics failed" in str(wrapped)
+
+
+def test_broker_properties_single_node() -> None:
+    props = LocalBroker(BrokerConfig(data_dir=Path("/tmp/x"), port=20000)).properties(0)
+    assert props["process.roles"] == "broker,controller"
+    assert props["listeners"] == "PLAINTEXT://127.0.0.1:20000,CONTROLLER://127.0.0.1:20001"
+    assert props["controller.quorum.voters"] == "1@127.0.0.1:20001"
+    assert props["min.insync.replicas"] == "1"
+
+
+def test_broker_properties_three_nodes() -> None:
+    broker = LocalBroker(BrokerConfig(data_dir=Path("/tmp/x"), nodes=3, port=20000))
+    props = broker.properties(2)
+    assert props["node.id"] == "3"
+    assert props["advertised.listeners"] == "PLAINTEXT://127.0.0.1:20004"
+    assert props["controller.quorum.voters"].count("@") == 3
+    assert props["default.replication.factor"] == "3"
+    assert props["min.insync.replicas"] == "2"
+    assert broker.config.bootstrap == "127.0.0.1:20000,127.0.0.1:20002,127.0.0.1:20004"
+
+
+def test_broker_config_is_validated() -> None:
+    with pytest.raises(InvalidConfigError):
+        BrokerConfig(nodes=0)
+    with pytest.raises(InvalidConfigError):
+        BrokerConfig(port=80)
+
+
+def _compose_env() -> dict[str, dict[str, str]]:
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    return {
+        name: {k: str(v) for k, v in svc["environment"].items()}
+        for name, svc in compose["services"].items()
+        if name.startswith("kafka-")
+    }
+
+
+def test_docker_compose_parses_and_has_three_kraft_brokers() -> None:
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    assert {"kafka-1", "kafka-2", "kafka-3", "topics", "producer", "trainer"} <= set(services)
+    assert all(re.match(r"apache/kafka:4\.", services[f"kafka-{i}"]["image"]) for i in (1, 2, 3))
+    envs = _compose_env()
+    assert sorted(e["KAFKA_NODE_ID"] for e in envs.values()) == ["1", "2", "3"]
+    assert len({e["CLUSTER_ID"] for e in envs.values()}) == 1
+    assert len(next(iter(envs.values()))["CLUSTER_ID"]) == 22  # base64 of a UUID
+
+
+def test_docker_compose_agrees_with_the_local_broker() -> None:
+    expected = {**WORKLOAD_SETTINGS, **replication_settings(3)}
+    for name, env in _compose_env().items():
+        props = {
+            k[len("KAFKA_") :].lower().replace("_", "."): v
+            for k, v in env.items()
+            if k.startswith("KAFKA_")
+        }
+        for key, value in expected.items():
+            assert props.get(key) == value, f"{name}: {key} is {props.get(key)}, want {value}"

@@ -1,0 +1,53 @@
+"""The built wheel carries the schemas, so an installed rlstream finds them without the
+source tree."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_wheel_ships_schemas_and_works_without_the_source_tree(tmp_path: Path) -> None:
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+            str(ROOT),
+        ],
+        check=True,
+        timeout=300,
+    )
+    (wheel,) = (tmp_path / "dist").glob("rlstream-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for schema in ("Trajectory", "Tensor", "WeightsAnnouncement", "DeadLetter", "Telemetry"):
+        assert f"pipeline/schemas/{schema}.avsc" in names
+    assert "pipeline/py.typed" in names and "pipeline/kafka_runtime/pom.xml" in names
+    assert not any(n.endswith(".jar") for n in names)
+
+    target = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(target)
+    code = (
+        "import pipeline, sys; assert pipeline.__file__.startswith(sys.argv[1]), pipeline.__file__;"
+        "from pipeline.codec import TrajectoryCodec; from pipeline.testing import make_trajectory;"
+        "c = TrajectoryCodec(); print(len(c.encode(make_trajectory(8))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(target)],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert int(out.stdout) > 0
