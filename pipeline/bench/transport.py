@@ -137,6 +137,8 @@ def _producer_perf(kafka: KafkaConfig, topic: str, n: int, size: int) -> dict[st
         "enable.idempotence=true",
         "compression.type=lz4",
         "linger.ms=5",
+        f"batch.size={MAX_MESSAGE_BYTES}",
+        "buffer.memory=536870912",
         f"max.request.size={MAX_MESSAGE_BYTES}",
     )
     matches = _PRODUCER_PERF.findall(out)
