@@ -1,0 +1,150 @@
+"""Built-in multi-turn environments with verifiable rewards and simulated latency.
+
+- ``guess``: find a secret number with higher/lower feedback (learnable from scratch by
+  the tiny default policy on two CPU cores);
+- ``calc``: answer an arithmetic question, optionally using the ``calc`` tool.
+
+Both take ``latency`` (a :class:`LatencyModel`) to stand in for tools and remote
+environments, with a heavy tail.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import operator
+import random
+import re
+from collections.abc import Callable
+from typing import Any
+
+from connectors.base import Environment, LatencyModel, Step, Task, register
+
+_INT = re.compile(r"-?\d+")
+_DIGIT = re.compile(r"\d+")
+
+
+class GuessNumber(Environment):
+    """Guess a secret integer in ``[low, high]``; after each guess the environment says
+    ``higher`` or ``lower``. Reward 1 for finding it within ``max_turns`` guesses."""
+
+    name = "guess"
+
+    def __init__(self, low: int = 1, high: int = 8, max_turns: int = 4,
+                 latency: LatencyModel | None = None, seed: int | None = None) -> None:
+        self.low, self.high, self.max_turns = low, high, max_turns
+        self.latency = latency or LatencyModel()
+        self._rng = random.Random(seed)
+        self._secret = low
+        self._turns = 0
+
+    def sample_task(self, rng: random.Random) -> Task:
+        secret = rng.randint(self.low, self.high)
+        return Task(f"guess-{self.low}-{self.high}-{secret}", {"secret": secret})
+
+    async def reset(self, task: Task) -> str:
+        self._secret = int(task.params["secret"])
+        self._turns = 0
+        await asyncio.sleep(self.latency.sample(self._rng))
+        return f"Guess my number from {self.low} to {self.high}."
+
+    async def step(self, action: str) -> Step:
+        await asyncio.sleep(self.latency.sample(self._rng))
+        self._turns += 1
+        m = _DIGIT.search(action)
+        last = self._turns >= self.max_turns
+        if m is None:
+            return Step("Say a number.", 0.0, last, {"valid": False})
+        guess = int(m.group())
+        if guess == self._secret:
+            return Step("Correct!", 1.0, True, {"valid": True, "solved": True})
+        hint = "Higher." if guess < self._secret else "Lower."
+        return Step(hint, 0.0, last, {"valid": True, "solved": False})
+
+
+_OPS: dict[type, Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.FloorDiv: operator.floordiv,
+}
+
+
+def safe_arithmetic(text: str, max_len: int = 64) -> int:
+    """Value of an integer expression of ``+ - * //`` and parentheses. Nothing is
+    evaluated but these operators on integer literals; anything else raises ValueError."""
+    if len(text) > max_len:
+        raise ValueError("expression too long")
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except SyntaxError as e:
+        raise ValueError(f"not an expression: {text!r}") from e
+
+    def ev(node: ast.AST) -> int:
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -ev(node.operand)
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            left, right = ev(node.left), ev(node.right)
+            if isinstance(node.op, ast.FloorDiv) and right == 0:
+                raise ValueError("division by zero")
+            if abs(left) > 10**9 or abs(right) > 10**9:
+                raise ValueError("number too large")
+            return int(_OPS[type(node.op)](left, right))
+        raise ValueError(f"unsupported element {type(node).__name__}")
+
+    return ev(tree)
+
+
+class Calculator(Environment):
+    """Answer ``a op b op c``; the ``calc`` tool evaluates expressions. Reward 1 for the
+    right integer as the final answer (the first turn that is not a tool call)."""
+
+    name = "calc"
+    tool_descriptions = {"calc": "evaluates an integer expression, e.g. <call>calc 3*(4+5)</call>"}
+
+    def __init__(self, max_operand: int = 9, max_turns: int = 3,
+                 latency: LatencyModel | None = None, seed: int | None = None) -> None:
+        self.max_operand, self.max_turns = max_operand, max_turns
+        self.latency = latency or LatencyModel()
+        self._rng = random.Random(seed)
+        self._answer = 0
+        self._turns = 0
+
+    def sample_task(self, rng: random.Random) -> Task:
+        a, b, c = (rng.randint(0, self.max_operand) for _ in range(3))
+        op1, op2 = rng.choice("+-*"), rng.choice("+-")
+        expr = f"{a}{op1}{b}{op2}{c}"
+        return Task(f"calc-{expr}", {"expression": expr, "answer": safe_arithmetic(expr)})
+
+    async def reset(self, task: Task) -> str:
+        self._answer = int(task.params["answer"])
+        self._turns = 0
+        await asyncio.sleep(self.latency.sample(self._rng))
+        return f"What is {task.params['expression']}?"
+
+    async def step(self, action: str) -> Step:
+        await asyncio.sleep(self.latency.sample(self._rng))
+        self._turns += 1
+        m = _INT.search(action)
+        if m is not None and int(m.group()) == self._answer:
+            return Step("Correct!", 1.0, True, {"solved": True})
+        last = self._turns >= self.max_turns
+        return Step("Wrong, try again." if m else "Answer with a number.", 0.0, last,
+                    {"solved": False})
+
+    async def call_tool(self, name: str, arguments: str) -> str:
+        if name != "calc":
+            raise KeyError(name)
+        await asyncio.sleep(self.latency.sample(self._rng))
+        try:
+            return str(safe_arithmetic(arguments))
+        except ValueError as e:
+            return f"error: {e}"
+
+
+register("guess", GuessNumber)
+register("calc", Calculator)

@@ -1,0 +1,212 @@
+"""One multi-turn episode, recorded token in, token out.
+
+The conversation is kept as exactly the token sequence the sampler consumed and produced:
+
+    <bos> <user> prompt <assistant> policy tokens... (<eos> | </call>)
+          <tool> result <assistant> policy tokens... <eos>
+          <environment> observation <assistant> ...
+
+Policy tokens carry mask 1, their behaviour log-probability and the policy version that
+sampled them; everything else has mask 0. An exception in the environment ends the
+episode with ``env_error``, a step past its timeout with ``timeout``, a full context with
+``truncated``; each still becomes a record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
+
+from connectors.base import Environment, Task
+from pipeline.policy_server import PolicyServer, TurnResult
+from pipeline.tokenizer import ByteTokenizer
+from pipeline.trajectory import (
+    LOGPROB_DTYPE,
+    MASK_DTYPE,
+    TOKEN_DTYPE,
+    Timings,
+    Trajectory,
+    Turn,
+    VersionSpan,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    """Bounds of one episode: tokens per policy turn, policy turns, and seconds."""
+
+    max_new_tokens: int = 8
+    max_policy_turns: int = 8
+    step_timeout_s: float = 10.0
+    episode_timeout_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class GroupSlot:
+    """Which group member an episode is."""
+
+    group_id: str
+    group_size: int
+    group_index: int
+    task: Task
+
+
+class _Recorder:
+    """Accumulates tokens, mask, log-probabilities, versions and turns."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.turns: list[Turn] = []
+
+    def context(self, role: str, tokens: list[int], latency_s: float = 0.0,
+                tool: str = "") -> None:
+        start = len(self.tokens)
+        self.tokens += tokens
+        self.mask += [0] * len(tokens)
+        self.logprobs += [0.0] * len(tokens)
+        self.versions += [-1] * len(tokens)
+        self.turns.append(Turn(role, start, len(self.tokens), tool, latency_s))
+
+    def policy(self, opener: int, r: TurnResult, latency_s: float, tool: str = "") -> None:
+        start = len(self.tokens)
+        self.tokens.append(opener)
+        self.mask.append(0)
+        self.logprobs.append(0.0)
+        self.versions.append(-1)
+        self.tokens += r.tokens
+        self.mask += [1] * len(r.tokens)
+        self.logprobs += r.logprobs
+        self.versions += r.versions
+        self.turns.append(Turn("assistant", start, len(self.tokens), tool, latency_s))
+
+    def spans(self) -> list[VersionSpan]:
+        out: list[VersionSpan] = []
+        for pos, (m, v) in enumerate(zip(self.mask, self.versions, strict=True)):
+            if not m:
+                continue
+            if out and out[-1].version == v:
+                out[-1] = VersionSpan(out[-1].start, pos + 1, v)
+            else:
+                out.append(VersionSpan(pos, pos + 1, v))
+        return out
+
+
+async def run_episode(
+    env: Environment,
+    member: GroupSlot,
+    server: PolicyServer,
+    slot: int,
+    tokenizer: ByteTokenizer,
+    limits: EpisodeLimits,
+    producer_id: str,
+) -> Trajectory:
+    """Play one episode in decode slot ``slot`` and return its trajectory."""
+    rec = _Recorder()
+    started = time.time()
+    gen_s = env_s = 0.0
+    reward, status = 0.0, "ok"
+    rewards: dict[str, float] = {}
+    assistant = tokenizer.special["<assistant>"]
+    stops = {tokenizer.eos, tokenizer.end_call}
+
+    async def timed(aw: Awaitable[T]) -> T:
+        nonlocal env_s
+        t0 = time.perf_counter()
+        try:
+            return await asyncio.wait_for(aw, limits.step_timeout_s)
+        finally:
+            env_s += time.perf_counter() - t0
+
+    try:
+        t0 = time.perf_counter()
+        prompt = await timed(env.reset(member.task))
+        rec.context("user", [tokenizer.bos, *tokenizer.turn("user", prompt)],
+                    time.perf_counter() - t0)
+        fed = 0  # tokens of rec already handed to the policy
+        for turn_index in range(limits.max_policy_turns):
+            t0 = time.perf_counter()
+            feed = [*rec.tokens[fed:], assistant]
+            turn = await server.generate(slot, feed, limits.max_new_tokens,
+                                         reset=turn_index == 0)
+            latency = time.perf_counter() - t0
+            gen_s += latency
+            if turn.stopped == tokenizer.end_call:
+                name, _, args = tokenizer.decode(_after(turn.tokens, tokenizer.call)).partition(" ")
+                rec.policy(assistant, turn, latency, name)
+                fed = len(rec.tokens)
+                t0 = time.perf_counter()
+                try:
+                    result = await timed(env.call_tool(name, args))
+                except KeyError:
+                    result = f"error: no tool named {name!r}"
+                rec.context("tool", tokenizer.turn("tool", result), time.perf_counter() - t0,
+                            name)
+                continue
+            rec.policy(assistant, turn, latency)
+            fed = len(rec.tokens)
+            if turn.stopped is None and server.engine.room(slot) < 1:
+                status = "truncated"
+                break
+            t0 = time.perf_counter()
+            step = await timed(env.step(tokenizer.decode(turn.tokens)))
+            reward += float(step.reward)
+            if step.done:
+                break
+            rec.context("environment", tokenizer.turn("environment", step.observation),
+                        time.perf_counter() - t0)
+        else:
+            status = "truncated"
+    except asyncio.TimeoutError:
+        status = "timeout"
+    except asyncio.CancelledError:
+        server.release(slot)
+        raise
+    except Exception as e:  # any environment failure ends this episode only
+        log.warning("episode env_error env=%s group=%s error=%r", env.name, member.group_id, e)
+        status = "env_error"
+    finally:
+        try:
+            await asyncio.wait_for(env.close(), limits.step_timeout_s)
+        except Exception:  # closing is best effort
+            pass
+    rewards["env"] = reward
+    return Trajectory(
+        trajectory_id=str(uuid.uuid4()),
+        group_id=member.group_id,
+        group_size=member.group_size,
+        group_index=member.group_index,
+        task_id=member.task.task_id,
+        producer_id=producer_id,
+        env=env.name,
+        tokenizer_id=tokenizer.id,
+        tokens=np.asarray(rec.tokens, TOKEN_DTYPE),
+        loss_mask=np.asarray(rec.mask, MASK_DTYPE),
+        logprobs=np.asarray(rec.logprobs, LOGPROB_DTYPE),
+        version_spans=rec.spans(),
+        turns=rec.turns,
+        reward=reward if status == "ok" else 0.0,
+        rewards=rewards,
+        status=status,
+        timings=Timings(int(started * 1000), int(time.time() * 1000), gen_s, env_s),
+        metadata={"task": member.task.task_id},
+    )
+
+
+def _after(tokens: list[int], marker: int) -> list[int]:
+    """Tokens after the last ``marker`` (the tool call's text), without the stop token."""
+    body = tokens[:-1]
+    idx = max((i for i, t in enumerate(body) if t == marker), default=-1)
+    return body[idx + 1 :]

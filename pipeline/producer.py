@@ -1,0 +1,239 @@
+"""The rollout producer: C concurrent episodes on one asyncio loop, batched sampling,
+records to Kafka, live weight reload and lag-aware admission control.
+
+Episodes are started group by group (each task sampled ``group_size`` times, one record
+per episode, keyed by group id). A slow environment only holds its own episode: the
+policy server batches whatever turns are ready. Admission control stops starting new
+groups while the trainer's consumer lag means new samples would arrive too stale, and
+resumes when the lag drains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import confluent_kafka
+
+from connectors.base import make
+from pipeline.episode import EpisodeLimits, GroupSlot, run_episode
+from pipeline.errors import InvalidConfigError
+from pipeline.kafka import KafkaConfig
+from pipeline.model import ModelConfig, init_model
+from pipeline.policy_server import PolicyServer
+from pipeline.sampler import DecodeEngine, SamplingConfig
+from pipeline.tokenizer import ByteTokenizer
+from pipeline.topics import rollout_topic
+from pipeline.transport import TrajectoryWriter
+from pipeline.weights import WeightsSubscriber
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """Hold back new episodes while the trainer group ``<ns>.trainer`` is more than
+    ``max_staleness`` steps of ``trainer_batch`` trajectories behind. A negative
+    ``max_staleness`` turns admission control off."""
+
+    max_staleness: int = 4
+    trainer_batch: int = 64
+    poll_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class ProducerConfig:
+    """What a producer process runs."""
+
+    namespace: str
+    env: str
+    env_options: Mapping[str, Any] = field(default_factory=dict)
+    concurrency: int = 64
+    group_size: int = 8
+    producer_id: str = field(default_factory=lambda: f"producer-{uuid.uuid4().hex[:6]}")
+    seed: int = 0
+    max_episodes: int | None = None
+    grace_s: float = 5.0
+    checkpoint_roots: tuple[Path, ...] = ()
+    limits: EpisodeLimits = field(default_factory=EpisodeLimits)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1 or self.group_size < 1:
+            raise InvalidConfigError("concurrency and group size must be at least 1")
+
+
+@dataclass
+class ProducerStats:
+    started: int = 0
+    finished: Counter[str] = field(default_factory=Counter)
+    dropped: int = 0
+    paused: bool = False
+    paused_s: float = 0.0
+    lag: int = 0
+
+
+class LagMonitor:
+    """Reads the trainer group's lag on the rollout topic from Kafka offsets."""
+
+    def __init__(self, kafka: KafkaConfig, topic: str, group: str) -> None:
+        self.topic = topic
+        self.consumer = kafka.consumer(group)
+
+    def lag(self) -> int:
+        md = self.consumer.list_topics(self.topic, timeout=10)
+        parts = [confluent_kafka.TopicPartition(self.topic, p)
+                 for p in md.topics[self.topic].partitions]
+        committed = self.consumer.committed(parts, timeout=10)
+        total = 0
+        for tp in committed:
+            low, high = self.consumer.get_watermark_offsets(tp, timeout=10)
+            start = tp.offset if tp.offset >= 0 else low
+            total += max(0, high - start)
+        return total
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+class RolloutProducer:
+    """Runs episodes until ``max_episodes`` or until stopped; see module docstring."""
+
+    def __init__(self, cfg: ProducerConfig, kafka: KafkaConfig,
+                 on_progress: Callable[[RolloutProducer], None] | None = None) -> None:
+        self.cfg = cfg
+        self.kafka = kafka
+        self.tokenizer = ByteTokenizer()
+        if cfg.model.vocab_size < self.tokenizer.vocab_size:
+            raise InvalidConfigError("model vocabulary is smaller than the tokenizer's")
+        model = init_model(cfg.model, cfg.seed)
+        self.engine = DecodeEngine(model, cfg.concurrency, cfg.sampling)
+        self.server = PolicyServer(self.engine, {self.tokenizer.eos, self.tokenizer.end_call})
+        self.writer = TrajectoryWriter(kafka, cfg.namespace)
+        self.stats = ProducerStats()
+        self.stop_event = threading.Event()
+        self.on_progress = on_progress
+        self.weights: WeightsSubscriber | None = None
+        if cfg.checkpoint_roots:
+            self.weights = WeightsSubscriber(
+                kafka, cfg.namespace, cfg.model, self.tokenizer.id, cfg.checkpoint_roots,
+                self.server.swap,
+            )
+        self._rng = random.Random(cfg.seed)
+
+    @property
+    def version(self) -> int:
+        return self.server.version
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def run(self) -> ProducerStats:
+        """Run on a new event loop until done; flushes every finished record."""
+        self.server.start()
+        if self.weights is not None:
+            self.weights.start()
+            self.weights.caught_up.wait(timeout=30)  # start from the latest announced weights
+        try:
+            asyncio.run(self._main())
+        finally:
+            self.server.stop()
+            if self.weights is not None:
+                self.weights.stop()
+            self.writer.flush()
+        return self.stats
+
+    async def _main(self) -> None:
+        cfg = self.cfg
+        free = list(range(cfg.concurrency))
+        running: set[asyncio.Task[None]] = set()
+        members: list[GroupSlot] = []
+        admission = asyncio.create_task(self._admission())
+        last_progress = time.monotonic()
+        while not self.stop_event.is_set():
+            if cfg.max_episodes is not None and self.stats.started >= cfg.max_episodes:
+                break
+            if free and not (self.stats.paused and not members):
+                if not members:
+                    members = self._new_group()
+                slot = free.pop()
+                task = asyncio.create_task(self._episode(members.pop(0), slot, free))
+                running.add(task)
+                task.add_done_callback(running.discard)
+                self.stats.started += 1
+                continue
+            await asyncio.sleep(0.01)
+            if self.on_progress and time.monotonic() - last_progress > 1.0:
+                last_progress = time.monotonic()
+                self.on_progress(self)
+        await self._drain(running)
+        admission.cancel()
+
+    async def _drain(self, running: set[asyncio.Task[None]]) -> None:
+        if running:
+            _, pending = await asyncio.wait(set(running), timeout=self.cfg.grace_s
+                                            if self.stop_event.is_set() else None)
+            for t in pending:
+                t.cancel()
+            self.stats.dropped += len(pending)
+            if pending:
+                log.warning("dropped in-flight episodes=%d after grace", len(pending))
+                await asyncio.gather(*pending, return_exceptions=True)
+
+    def _new_group(self) -> list[GroupSlot]:
+        env = make(self.cfg.env, **self.cfg.env_options)
+        task = env.sample_task(self._rng)
+        gid = f"{self.cfg.producer_id}-{uuid.uuid4().hex[:12]}"
+        g = self.cfg.group_size
+        return [GroupSlot(gid, g, i, task) for i in range(g)]
+
+    async def _episode(self, member: GroupSlot, slot: int, free: list[int]) -> None:
+        env = make(self.cfg.env, **self.cfg.env_options)
+        try:
+            t = await asyncio.wait_for(
+                run_episode(env, member, self.server, slot, self.tokenizer, self.cfg.limits,
+                            self.cfg.producer_id),
+                self.cfg.limits.episode_timeout_s,
+            )
+        except asyncio.TimeoutError:
+            self.server.release(slot)
+            self.stats.finished["timeout"] += 1
+            log.warning("episode past its timeout group=%s", member.group_id)
+            return
+        finally:
+            free.append(slot)
+        self.writer.write(t)
+        self.stats.finished[t.status] += 1
+
+    async def _admission(self) -> None:
+        adm = self.cfg.admission
+        if adm.max_staleness < 0:
+            return
+        monitor = LagMonitor(self.kafka, rollout_topic(self.cfg.namespace, self.cfg.env),
+                             f"{self.cfg.namespace}.trainer")
+        try:
+            while True:
+                lag = await asyncio.to_thread(monitor.lag)
+                self.stats.lag = lag
+                paused = lag > adm.max_staleness * adm.trainer_batch
+                if paused != self.stats.paused:
+                    log.info("admission %s lag=%d", "paused" if paused else "resumed", lag)
+                self.stats.paused = paused
+                if paused:
+                    self.stats.paused_s += adm.poll_s
+                await asyncio.sleep(adm.poll_s)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            await asyncio.to_thread(monitor.close)

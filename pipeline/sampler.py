@@ -1,0 +1,188 @@
+"""KV-cached batched sampling with per-token log-probabilities.
+
+A :class:`DecodeEngine` holds ``slots`` rows of one key-value cache; each row is one
+conversation at its own length. ``append`` queues tokens the environment produced (they
+are prefilled in fixed-size chunks, batched across rows), ``step`` samples one token for
+every row that is generating, in one forward pass of fixed shape: after the first call of
+each kind nothing recompiles. Parameters can be swapped between steps; each sampled token
+carries the policy version that produced it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pipeline.errors import InvalidConfigError
+from pipeline.model import KVCache, Transformer
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How tokens are drawn. ``temperature`` 0 is greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise InvalidConfigError(
+                f"temperature must be >= 0 and top_p in (0, 1], got {self.temperature}, "
+                f"{self.top_p}"
+            )
+
+
+def sample_tokens(
+    logits: jax.Array, key: jax.Array, temperature: float, top_p: float
+) -> tuple[jax.Array, jax.Array]:
+    """Draw one token per row of ``logits [B, V]``; return tokens and their
+    log-probabilities under the temperature-scaled policy (before top-p truncation, the
+    distribution the trainer recomputes)."""
+    logits = logits.astype(jnp.float32)
+    greedy = temperature <= 0
+    scaled = logits / jnp.where(greedy, 1.0, temperature)
+    logp = jax.nn.log_softmax(scaled, axis=-1)
+    order = jnp.argsort(-logp, axis=-1)
+    sorted_p = jnp.take_along_axis(jnp.exp(logp), order, axis=-1)
+    keep_sorted = (jnp.cumsum(sorted_p, axis=-1) - sorted_p) < top_p
+    keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(
+        keep_sorted
+    )
+    masked = jnp.where(keep, scaled, -jnp.inf)
+    drawn = jax.random.categorical(key, masked, axis=-1)
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn)
+    return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+
+
+class DecodeEngine:
+    """Batched incremental decoding over ``slots`` conversations.
+
+    Per slot: ``length`` tokens are in the cache and one ``pending`` token (the latest)
+    waits to be fed. ``append(slot, tokens)`` adds tokens; ``step(slots)`` feeds each
+    listed slot's pending token and samples the next one.
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        slots: int,
+        sampling: SamplingConfig | None = None,
+        *,
+        chunk: int = 16,
+        version: int = 0,
+    ) -> None:
+        self.cfg = model.cfg
+        self.slots = slots
+        self.chunk = chunk
+        self.sampling = sampling or SamplingConfig()
+        self.graphdef, self.state = nnx.split(model)
+        self.version = version
+        self.cache = KVCache.zeros(self.cfg, slots)
+        self.length = np.zeros(slots, np.int64)
+        self.pending: list[int | None] = [None] * slots
+        self._queued: list[list[int]] = [[] for _ in range(slots)]
+        self._key = jax.random.key(self.sampling.seed)
+        graphdef = self.graphdef
+
+        @jax.jit
+        def prefill(state: Any, cache: KVCache, tokens: jax.Array, positions: jax.Array,
+                    write: jax.Array) -> KVCache:
+            model = nnx.merge(graphdef, state)
+            _, cache = model(tokens, positions, cache, write)
+            return cache
+
+        @jax.jit
+        def decode(state: Any, cache: KVCache, tokens: jax.Array, positions: jax.Array,
+                   write: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array
+                   ) -> tuple[KVCache, jax.Array, jax.Array]:
+            model = nnx.merge(graphdef, state)
+            logits, cache = model(tokens, positions, cache, write)
+            nxt, logp = sample_tokens(logits[:, -1], key, temperature, top_p)
+            return cache, nxt, logp
+
+        self._prefill = prefill
+        self._decode = decode
+
+    # ---- slots ---------------------------------------------------------------------------
+
+    def reset(self, slot: int) -> None:
+        """Start a new conversation in ``slot`` (its old cache rows are overwritten)."""
+        self.length[slot] = 0
+        self.pending[slot] = None
+        self._queued[slot] = []
+
+    def append(self, slot: int, tokens: list[int]) -> None:
+        """Tokens produced outside the policy (prompt, observations), in order."""
+        if not tokens:
+            return
+        if self.pending[slot] is not None:
+            self._queued[slot].append(self.pending[slot])  # type: ignore[arg-type]
+        self._queued[slot].extend(tokens[:-1])
+        self.pending[slot] = tokens[-1]
+
+    def room(self, slot: int) -> int:
+        """How many more tokens fit in the slot's context."""
+        queued = len(self._queued[slot]) + (self.pending[slot] is not None)
+        return int(self.cfg.max_len - self.length[slot] - queued)
+
+    def swap(self, state: Any, version: int) -> None:
+        """Use new parameters from the next step on (same structure and shapes)."""
+        self.state = state
+        self.version = version
+
+    # ---- compute ------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Prefill every queued token, in chunks batched across slots."""
+        while any(self._queued):
+            tokens = np.zeros((self.slots, self.chunk), np.int32)
+            positions = np.zeros((self.slots, self.chunk), np.int32)
+            write = np.zeros(self.slots, bool)
+            for s, q in enumerate(self._queued):
+                if not q:
+                    continue
+                n = min(len(q), self.chunk)
+                tokens[s, :n] = q[:n]
+                positions[s] = self.length[s] + np.arange(self.chunk)
+                # padding repeats the last real token at its position: it writes the same
+                # keys and values there again, and nothing past the real tokens
+                positions[s, n:] = positions[s, n - 1]
+                tokens[s, n:] = tokens[s, n - 1]
+                write[s] = True
+                self.length[s] += n
+                del q[:n]
+            self.cache = self._prefill(self.state, self.cache, tokens, positions, write)
+
+    def step(self, slots: list[int]) -> dict[int, tuple[int, float, int]]:
+        """Feed the pending token of each slot and sample its successor: returns
+        ``{slot: (token, logprob, version)}``; the sampled token becomes pending."""
+        self.flush()
+        tokens = np.zeros((self.slots, 1), np.int32)
+        positions = np.zeros((self.slots, 1), np.int32)
+        write = np.zeros(self.slots, bool)
+        for s in slots:
+            pending = self.pending[s]
+            if pending is None:
+                raise InvalidConfigError(f"slot {s} has no token to continue from")
+            tokens[s, 0] = pending
+            positions[s, 0] = self.length[s]
+            write[s] = True
+        self._key, key = jax.random.split(self._key)
+        sp = self.sampling
+        self.cache, nxt, logp = self._decode(
+            self.state, self.cache, tokens, positions, write, key,
+            jnp.float32(sp.temperature), jnp.float32(sp.top_p),
+        )
+        nxt_np, logp_np = np.asarray(nxt), np.asarray(logp)
+        out = {}
+        for s in slots:
+            self.length[s] += 1
+            self.pending[s] = int(nxt_np[s])
+            out[s] = (int(nxt_np[s]), float(logp_np[s]), self.version)
+        return out

@@ -1,0 +1,174 @@
+"""Weights announcements: the trainer says a checkpoint is ready, producers load it.
+
+``announce`` sends a :class:`WeightsAnnouncement` record (key ``policy``) to the
+compacted ``<ns>.weights`` topic once a checkpoint is durable. A
+:class:`WeightsSubscriber` runs in the background of every producer: at start it reads the
+topic to its end and takes the latest announcement, then follows new ones. Each one is
+checked (a newer version, a URI inside an allowed root, the same model configuration and
+tokenizer, a digest that matches the files) and restored with orbax on the subscriber's
+thread; only then is it handed over, so sampling never waits for I/O. A refused
+announcement or a failed restore keeps the old weights and is logged and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import confluent_kafka
+
+from pipeline.checkpoint import digest, restore_params
+from pipeline.codec import AvroCodec
+from pipeline.errors import RecordDecodeError
+from pipeline.kafka import KafkaConfig
+from pipeline.model import ModelConfig
+from pipeline.topics import weights_topic
+
+log = logging.getLogger(__name__)
+
+KEY = b"policy"
+
+
+def announcement(version: int, step: int, path: Path, cfg: ModelConfig, tokenizer_id: str,
+                 trainer_id: str, metrics: dict[str, float] | None = None) -> dict[str, Any]:
+    """The announcement of the checkpoint at ``path`` (its digest is computed here)."""
+    return {
+        "policy_version": version,
+        "step": step,
+        "checkpoint_uri": str(path.absolute()),
+        "digest": digest(path),
+        "format": "orbax",
+        "model_config": cfg.to_json(),
+        "tokenizer_id": tokenizer_id,
+        "created_at_ms": int(time.time() * 1000),
+        "trainer_id": trainer_id,
+        "metrics": dict(metrics or {}),
+    }
+
+
+def announce(producer: confluent_kafka.Producer, namespace: str, record: dict[str, Any],
+             timeout: float = 30.0) -> None:
+    """Send one announcement and wait until the broker has it."""
+    producer.produce(weights_topic(namespace), AvroCodec("WeightsAnnouncement").encode(record),
+                     KEY)
+    if producer.flush(timeout):
+        raise TimeoutError("weights announcement not acknowledged")
+
+
+def checkpoint_path(uri: str, allowed_roots: Sequence[Path]) -> Path:
+    """The local path of ``uri`` if it lies inside one of ``allowed_roots`` (after
+    resolving ``..`` and links); ValueError with the reason otherwise."""
+    parsed = urlparse(uri)
+    if parsed.scheme not in ("", "file"):
+        raise ValueError(f"unsupported checkpoint URI scheme {parsed.scheme!r}")
+    path = Path(parsed.path if parsed.scheme else uri).resolve()
+    for root in allowed_roots:
+        if path.is_relative_to(root.resolve()):
+            return path
+    raise ValueError(f"{path} is outside the allowed roots {[str(r) for r in allowed_roots]}")
+
+
+class WeightsSubscriber:
+    """Follows ``<ns>.weights`` on a background thread and calls
+    ``on_weights(params, version)`` for each verified, restored checkpoint."""
+
+    def __init__(self, kafka: KafkaConfig, namespace: str, cfg: ModelConfig, tokenizer_id: str,
+                 allowed_roots: Sequence[Path], on_weights: Callable[[Any, int], None],
+                 current_version: int = 0) -> None:
+        self.kafka = kafka
+        self.namespace = namespace
+        self.cfg = cfg
+        self.tokenizer_id = tokenizer_id
+        self.allowed_roots = [Path(r) for r in allowed_roots]
+        self.on_weights = on_weights
+        self.version = current_version
+        self.refused: Counter[str] = Counter()
+        self.accepted = 0
+        self.caught_up = threading.Event()
+        self.last_announced_ms = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="weights", daemon=True)
+
+    def start(self) -> WeightsSubscriber:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        codec = AvroCodec("WeightsAnnouncement")
+        topic = weights_topic(self.namespace)
+        consumer = self.kafka.consumer(None, **{"enable.partition.eof": True})
+        consumer.assign([confluent_kafka.TopicPartition(topic, 0,
+                                                        confluent_kafka.OFFSET_BEGINNING)])
+        latest: dict[str, Any] | None = None
+        try:
+            while not self._stop.is_set():
+                msg = consumer.poll(0.2)
+                if msg is None:
+                    continue
+                if msg.error() is not None:
+                    if msg.error().code() == confluent_kafka.KafkaError._PARTITION_EOF:
+                        # caught up: apply the newest seen while reading the backlog
+                        if latest is not None:
+                            self._apply(latest)
+                            latest = None
+                        self.caught_up.set()
+                    else:
+                        log.warning("weights consumer error=%s", msg.error().str())
+                    continue
+                try:
+                    record = codec.decode(msg.value())
+                except RecordDecodeError as e:
+                    self._refuse("undecodable", str(e))
+                    continue
+                if self.caught_up.is_set():
+                    self._apply(record)
+                elif latest is None or record["policy_version"] >= latest["policy_version"]:
+                    latest = record
+        finally:
+            consumer.close()
+
+    def _refuse(self, reason: str, detail: str) -> None:
+        self.refused[reason] += 1
+        log.warning("weights refused reason=%s detail=%s", reason, detail)
+
+    def _apply(self, ann: dict[str, Any]) -> None:
+        version = int(ann["policy_version"])
+        self.last_announced_ms = int(ann["created_at_ms"])
+        if version <= self.version:
+            return
+        if ann["tokenizer_id"] != self.tokenizer_id:
+            return self._refuse("tokenizer", f"{ann['tokenizer_id']} != {self.tokenizer_id}")
+        try:
+            if ModelConfig.from_json(ann["model_config"]) != self.cfg:
+                return self._refuse("model_config", ann["model_config"])
+        except (ValueError, TypeError) as e:
+            return self._refuse("model_config", str(e))
+        try:
+            path = checkpoint_path(ann["checkpoint_uri"], self.allowed_roots)
+        except ValueError as e:
+            return self._refuse("uri", str(e))
+        try:
+            actual = digest(path)
+        except OSError as e:
+            return self._refuse("unreadable", str(e))
+        if actual != ann["digest"]:
+            return self._refuse("digest", f"{path}: announced {ann['digest']}, found {actual}")
+        try:
+            params = restore_params(path, self.cfg)
+        except Exception as e:  # any orbax failure keeps the old weights
+            return self._refuse("restore", repr(e))
+        self.version = version
+        self.accepted += 1
+        log.info("weights loaded version=%d path=%s", version, path)
+        self.on_weights(params, version)
+        return None
