@@ -85,7 +85,7 @@ class Environment(abc.ABC):
         """Run tool ``name``; raise :class:`KeyError` if there is no such tool."""
         raise KeyError(name)
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Release what the episode holds (sessions, processes)."""
 
 

@@ -30,8 +30,14 @@ class GuessNumber(Environment):
 
     name = "guess"
 
-    def __init__(self, low: int = 1, high: int = 8, max_turns: int = 4,
-                 latency: LatencyModel | None = None, seed: int | None = None) -> None:
+    def __init__(
+        self,
+        low: int = 1,
+        high: int = 8,
+        max_turns: int = 4,
+        latency: LatencyModel | None = None,
+        seed: int | None = None,
+    ) -> None:
         self.low, self.high, self.max_turns = low, high, max_turns
         self.latency = latency or LatencyModel()
         self._rng = random.Random(seed)
@@ -106,8 +112,13 @@ class Calculator(Environment):
     name = "calc"
     tool_descriptions = {"calc": "evaluates an integer expression, e.g. <call>calc 3*(4+5)</call>"}
 
-    def __init__(self, max_operand: int = 9, max_turns: int = 3,
-                 latency: LatencyModel | None = None, seed: int | None = None) -> None:
+    def __init__(
+        self,
+        max_operand: int = 9,
+        max_turns: int = 3,
+        latency: LatencyModel | None = None,
+        seed: int | None = None,
+    ) -> None:
         self.max_operand, self.max_turns = max_operand, max_turns
         self.latency = latency or LatencyModel()
         self._rng = random.Random(seed)
@@ -133,8 +144,9 @@ class Calculator(Environment):
         if m is not None and int(m.group()) == self._answer:
             return Step("Correct!", 1.0, True, {"solved": True})
         last = self._turns >= self.max_turns
-        return Step("Wrong, try again." if m else "Answer with a number.", 0.0, last,
-                    {"solved": False})
+        return Step(
+            "Wrong, try again." if m else "Answer with a number.", 0.0, last, {"solved": False}
+        )
 
     async def call_tool(self, name: str, arguments: str) -> str:
         if name != "calc":

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -242,13 +243,84 @@ def cmd_run(args: argparse.Namespace) -> int:
     return run_round_trip(args)
 
 
+def cmd_produce(args: argparse.Namespace) -> int:
+    from connectors.base import LatencyModel
+    from pipeline.episode import EpisodeLimits
+    from pipeline.model import PRESETS
+    from pipeline.producer import AdmissionConfig, ProducerConfig, RolloutProducer
+    from pipeline.sampler import SamplingConfig
+    from pipeline.topics import ensure_topics, namespace_topics
+
+    options: dict[str, Any] = {}
+    if args.latency_ms > 0:
+        options["latency"] = LatencyModel(args.latency_ms / 1000, args.latency_sigma)
+    cfg = ProducerConfig(
+        namespace=args.namespace,
+        env=args.env,
+        env_options=options,
+        concurrency=args.concurrency,
+        group_size=args.group_size,
+        seed=args.seed,
+        max_episodes=args.max_episodes,
+        grace_s=args.grace_s,
+        checkpoint_roots=tuple(Path(r) for r in args.checkpoint_root),
+        limits=EpisodeLimits(max_new_tokens=args.max_new_tokens),
+        sampling=SamplingConfig(args.temperature, args.top_p, args.seed),
+        model=PRESETS[args.model],
+        admission=AdmissionConfig(args.max_staleness, args.trainer_batch),
+        **({"producer_id": args.producer_id} if args.producer_id else {}),
+    )
+    kafka = kafka_config(args)
+    ensure_topics(kafka, namespace_topics(args.namespace, [args.env], args.partitions))
+    stop = StopFlag().install()
+    start = time.monotonic()
+
+    def progress(p: Any) -> None:
+        if stop:
+            p.stop()
+        st = p.stats
+        done = sum(st.finished.values())
+        rate = done / max(1e-9, time.monotonic() - start)
+        print(
+            f"episodes={done} rate={rate:.1f}/s in_flight={st.started - done - st.dropped} "
+            f"paused={'yes' if st.paused else 'no'} lag={st.lag} version={p.version} "
+            f"sent={p.writer.sent} failed={p.writer.failed}",
+            flush=True,
+        )
+
+    producer = RolloutProducer(cfg, kafka, on_progress=progress)
+
+    def stop_on_signal() -> None:
+        stop.event.wait()
+        producer.stop()
+
+    threading.Thread(target=stop_on_signal, daemon=True).start()
+    stats = producer.run()
+    result = {
+        "producer_id": cfg.producer_id,
+        "figures": {
+            "episodes": sum(stats.finished.values()),
+            "by_status": dict(stats.finished),
+            "dropped_in_flight": stats.dropped,
+            "sent": producer.writer.sent,
+            "delivered": producer.writer.delivered,
+            "delivery_failed": producer.writer.failed,
+            "policy_version": producer.version,
+            "paused_s": stats.paused_s,
+        },
+    }
+    print_result(args, result, f"producer {cfg.producer_id} done: {result['figures']}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
-    from pipeline.bench import codec as bench_codec
-    from pipeline.bench import transport as bench_transport
+    from pipeline.bench import codec, rollout, transport, weights
 
     benches: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
-        "codec": bench_codec.run,
-        "transport": bench_transport.run,
+        "codec": codec.run,
+        "transport": transport.run,
+        "rollout": rollout.run,
+        "weights": weights.run,
     }
     result = benches[args.which](args)
     print_result(args, result, format_bench(result))
@@ -317,12 +389,73 @@ def build_parser() -> argparse.ArgumentParser:
     add_json_arg(p)
     p.set_defaults(func=cmd_run)
 
+    p = sub.add_parser("produce", help="run a rollout producer: concurrent episodes into Kafka")
+    add_namespace_arg(p)
+    p.add_argument("--env", required=True, help="registered environment name (guess, calc)")
+    p.add_argument("--concurrency", type=int, default=64, help="episodes in flight")
+    p.add_argument("--group-size", type=int, default=8, help="GRPO group size G")
+    p.add_argument("--partitions", type=int, default=4, help="partitions if the topic is new")
+    p.add_argument("--max-episodes", type=int, default=None, help="stop after this many")
+    p.add_argument("--max-new-tokens", type=int, default=8, help="tokens per policy turn")
+    p.add_argument("--model", default="tiny", choices=["tiny", "small", "base"])
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--producer-id", default=None)
+    p.add_argument(
+        "--latency-ms",
+        type=float,
+        default=0.0,
+        help="simulated environment latency, median (log-normal)",
+    )
+    p.add_argument("--latency-sigma", type=float, default=1.0, help="its log-normal shape")
+    p.add_argument(
+        "--checkpoint-root",
+        action="append",
+        default=[r for r in [env_default("RLSTREAM_CHECKPOINT_ROOT")] if r],
+        help="accept announced checkpoints only under this folder (repeatable; "
+        "env RLSTREAM_CHECKPOINT_ROOT); none: never reload weights",
+    )
+    p.add_argument(
+        "--max-staleness",
+        type=int,
+        default=4,
+        help="pause while the trainer is this many steps behind (-1: never)",
+    )
+    p.add_argument(
+        "--trainer-batch",
+        type=int,
+        default=64,
+        help="trajectories per trainer step, to turn lag into steps",
+    )
+    p.add_argument(
+        "--grace-s",
+        type=float,
+        default=5.0,
+        help="on SIGINT/SIGTERM, seconds in-flight episodes get to finish",
+    )
+    add_kafka_args(p)
+    add_json_arg(p)
+    p.set_defaults(func=cmd_produce)
+
     p = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
-    p.add_argument("which", choices=["codec", "transport"])
-    p.add_argument("--seconds", type=float, default=2.0, help="time per measurement round")
+    p.add_argument("which", choices=["codec", "transport", "rollout", "weights"])
+    p.add_argument(
+        "--seconds",
+        type=float,
+        default=None,
+        help="time per measurement (codec: 2 per round; rollout: 15 per level)",
+    )
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per contender")
     p.add_argument("--tokens", type=int, default=4096, help="tokens per trajectory")
     p.add_argument("--records", type=int, default=3000, help="records (transport)")
+    p.add_argument(
+        "--latency-ms", type=float, default=50.0, help="median environment latency (rollout)"
+    )
+    p.add_argument("--announcements", type=int, default=10, help="checkpoints (weights)")
+    p.add_argument(
+        "--interval", type=float, default=1.5, help="seconds between announcements (weights)"
+    )
     add_kafka_args(p)
     add_broker_args(p)
     add_json_arg(p)

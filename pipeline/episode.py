@@ -71,8 +71,7 @@ class _Recorder:
         self.versions: list[int] = []
         self.turns: list[Turn] = []
 
-    def context(self, role: str, tokens: list[int], latency_s: float = 0.0,
-                tool: str = "") -> None:
+    def context(self, role: str, tokens: list[int], latency_s: float = 0.0, tool: str = "") -> None:
         start = len(self.tokens)
         self.tokens += tokens
         self.mask += [0] * len(tokens)
@@ -120,27 +119,30 @@ async def run_episode(
     reward, status = 0.0, "ok"
     rewards: dict[str, float] = {}
     assistant = tokenizer.special["<assistant>"]
-    stops = {tokenizer.eos, tokenizer.end_call}
+
+    deadline = time.monotonic() + limits.episode_timeout_s
 
     async def timed(aw: Awaitable[T]) -> T:
+        """An environment call bounded by the step timeout and the episode's deadline."""
         nonlocal env_s
         t0 = time.perf_counter()
+        left = min(limits.step_timeout_s, deadline - time.monotonic())
         try:
-            return await asyncio.wait_for(aw, limits.step_timeout_s)
+            return await asyncio.wait_for(aw, max(0.0, left))
         finally:
             env_s += time.perf_counter() - t0
 
     try:
         t0 = time.perf_counter()
         prompt = await timed(env.reset(member.task))
-        rec.context("user", [tokenizer.bos, *tokenizer.turn("user", prompt)],
-                    time.perf_counter() - t0)
+        rec.context(
+            "user", [tokenizer.bos, *tokenizer.turn("user", prompt)], time.perf_counter() - t0
+        )
         fed = 0  # tokens of rec already handed to the policy
         for turn_index in range(limits.max_policy_turns):
             t0 = time.perf_counter()
             feed = [*rec.tokens[fed:], assistant]
-            turn = await server.generate(slot, feed, limits.max_new_tokens,
-                                         reset=turn_index == 0)
+            turn = await server.generate(slot, feed, limits.max_new_tokens, reset=turn_index == 0)
             latency = time.perf_counter() - t0
             gen_s += latency
             if turn.stopped == tokenizer.end_call:
@@ -152,8 +154,7 @@ async def run_episode(
                     result = await timed(env.call_tool(name, args))
                 except KeyError:
                     result = f"error: no tool named {name!r}"
-                rec.context("tool", tokenizer.turn("tool", result), time.perf_counter() - t0,
-                            name)
+                rec.context("tool", tokenizer.turn("tool", result), time.perf_counter() - t0, name)
                 continue
             rec.policy(assistant, turn, latency)
             fed = len(rec.tokens)
@@ -165,11 +166,14 @@ async def run_episode(
             reward += float(step.reward)
             if step.done:
                 break
-            rec.context("environment", tokenizer.turn("environment", step.observation),
-                        time.perf_counter() - t0)
+            rec.context(
+                "environment",
+                tokenizer.turn("environment", step.observation),
+                time.perf_counter() - t0,
+            )
         else:
             status = "truncated"
-    except asyncio.TimeoutError:
+    except TimeoutError:
         status = "timeout"
     except asyncio.CancelledError:
         server.release(slot)

@@ -59,15 +59,19 @@ PRESETS = {
 
 
 class KVCache(NamedTuple):
-    """Keys and values of every layer: ``[layers, batch, max_len, heads, head_dim]``."""
+    """Keys and values, one array per layer, each ``[batch, heads, max_len, head_dim]``."""
 
-    k: jax.Array
-    v: jax.Array
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, batch: int, dtype: Any = jnp.float32) -> KVCache:
-        shape = (cfg.num_layers, batch, cfg.max_len, cfg.num_heads, cfg.head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        shape = (batch, cfg.num_heads, cfg.max_len, cfg.head_dim)
+        layers = range(cfg.num_layers)
+        return cls(
+            tuple(jnp.zeros(shape, dtype) for _ in layers),
+            tuple(jnp.zeros(shape, dtype) for _ in layers),
+        )
 
 
 class Block(nnx.Module):
@@ -95,24 +99,25 @@ class Block(nnx.Module):
         k = k.reshape(b, t, cfg.num_heads, cfg.head_dim)
         v = v.reshape(b, t, cfg.num_heads, cfg.head_dim)
         q, k = rope(q, positions), rope(k, positions)
+        # heads before positions ([B, H, T, D]): attention needs no transpose of the cache
+        q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
         if k_cache is None or v_cache is None or write is None:
             keys, values, key_pos = k, v, positions
         else:
-            # write this chunk at each row's positions (rows not written keep their cache)
-            def put(cache: jax.Array, new: jax.Array, pos: jax.Array, w: jax.Array
-                    ) -> jax.Array:
-                updated = cache.at[pos].set(new)
-                return jnp.where(w, updated, cache)
-
-            k_cache = jax.vmap(put)(k_cache, k, positions, write)
-            v_cache = jax.vmap(put)(v_cache, v, positions, write)
+            # write this chunk at each row's positions; rows not written aim past the end
+            # of the cache, and those writes are dropped (no copy of the cache)
+            rows = jnp.arange(b)[:, None, None]
+            heads = jnp.arange(cfg.num_heads)[None, :, None]
+            at = jnp.where(write[:, None], positions, cfg.max_len)[:, None, :]
+            k_cache = k_cache.at[rows, heads, at].set(k, mode="drop")
+            v_cache = v_cache.at[rows, heads, at].set(v, mode="drop")
             keys, values = k_cache, v_cache
             key_pos = jnp.broadcast_to(jnp.arange(cfg.max_len), (b, cfg.max_len))
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, keys) / jnp.sqrt(cfg.head_dim)
+        scores = jnp.einsum("bhqd,bhkd->bhqk", q, keys) / jnp.sqrt(cfg.head_dim)
         causal = key_pos[:, None, None, :] <= positions[:, None, :, None]
         scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
         attn = jax.nn.softmax(scores, axis=-1)
-        y = jnp.einsum("bhqk,bkhd->bqhd", attn, values).reshape(b, t, cfg.d_model)
+        y = jnp.einsum("bhqk,bhkd->bqhd", attn, values).reshape(b, t, cfg.d_model)
         x = x + self.out(y)
         x = x + self.down(jax.nn.gelu(self.up(self.norm2(x))))
         return x, k_cache, v_cache
@@ -150,25 +155,26 @@ class Transformer(nnx.Module):
         write: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         x = self.embed(tokens)
-        ks, vs = [], []
+        ks: list[jax.Array] = []
+        vs: list[jax.Array] = []
         for i, block in enumerate(self.blocks):
             kc = None if cache is None else cache.k[i]
             vc = None if cache is None else cache.v[i]
             x, kc, vc = block(x, positions, kc, vc, write)
-            ks.append(kc)
-            vs.append(vc)
+            if kc is not None and vc is not None:
+                ks.append(kc)
+                vs.append(vc)
         logits = self.embed.attend(self.norm(x))
         if cache is None:
             return logits, None
-        return logits, KVCache(jnp.stack(ks), jnp.stack(vs))
+        return logits, KVCache(tuple(ks), tuple(vs))
 
 
 def init_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
     return Transformer(cfg, nnx.Rngs(seed))
 
 
-def token_logprobs(model: Transformer, tokens: jax.Array, temperature: float = 1.0
-                   ) -> jax.Array:
+def token_logprobs(model: Transformer, tokens: jax.Array, temperature: float = 1.0) -> jax.Array:
     """``logprobs[b, t]``: log-probability of ``tokens[b, t]`` given the tokens before it,
     under the temperature-scaled policy (0 at t = 0)."""
     b, t = tokens.shape

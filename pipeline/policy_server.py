@@ -48,8 +48,9 @@ class _Request:
 class PolicyServer:
     """Owns the decode engine on one thread; ``generate`` is safe from any event loop."""
 
-    def __init__(self, engine: DecodeEngine, stop_tokens: set[int], max_wait_s: float = 0.002
-                 ) -> None:
+    def __init__(
+        self, engine: DecodeEngine, stop_tokens: set[int], max_wait_s: float = 0.002
+    ) -> None:
         self.engine = engine
         self.stop_tokens = stop_tokens
         self.max_wait_s = max_wait_s
@@ -60,7 +61,10 @@ class PolicyServer:
         self._thread = threading.Thread(target=self._run, name="policy", daemon=True)
         self.steps = 0
         self.batch_sizes = 0
-        self.swap_stalls_s: list[float] = []
+        self.step_s: list[float] = []
+        #: per swap: (version, wall time it took effect, seconds the swap itself took,
+        #: seconds of the first decode step after it)
+        self.swaps: list[tuple[int, float, float, float]] = []
         self.error: BaseException | None = None
 
     @property
@@ -75,8 +79,9 @@ class PolicyServer:
         self._stop.set()
         self._thread.join(timeout=10)
 
-    async def generate(self, slot: int, tokens: list[int], max_new_tokens: int,
-                       *, reset: bool = False) -> TurnResult:
+    async def generate(
+        self, slot: int, tokens: list[int], max_new_tokens: int, *, reset: bool = False
+    ) -> TurnResult:
         """Append ``tokens`` to the slot's conversation (after clearing it if ``reset``)
         and sample one turn of at most ``max_new_tokens``."""
         if self.error is not None:
@@ -102,10 +107,16 @@ class PolicyServer:
         try:
             while not self._stop.is_set():
                 self._take(active)
-                self._apply_swap()
+                swapped = self._apply_swap()
                 if not active:
                     continue
+                t0 = time.perf_counter()
                 out = self.engine.step(list(active))
+                took = time.perf_counter() - t0
+                self.step_s.append(took)
+                del self.step_s[:-1000]
+                if swapped is not None:
+                    self.swaps.append((*swapped, took))
                 self.steps += 1
                 self.batch_sizes += len(out)
                 for slot, (token, logp, version) in out.items():
@@ -161,14 +172,15 @@ class PolicyServer:
             return
         active[req.slot] = req
 
-    def _apply_swap(self) -> None:
+    def _apply_swap(self) -> tuple[int, float, float] | None:
         with self._swap_lock:
             swap, self._swap = self._swap, None
-        if swap is not None:
-            start = time.perf_counter()
-            self.engine.swap(*swap)
-            self.swap_stalls_s.append(time.perf_counter() - start)
-            log.info("policy swapped version=%d", swap[1])
+        if swap is None:
+            return None
+        start = time.perf_counter()
+        self.engine.swap(*swap)
+        log.info("policy swapped version=%d", swap[1])
+        return swap[1], time.time(), time.perf_counter() - start
 
 
 def _resolve(fut: asyncio.Future[TurnResult], r: TurnResult) -> None:

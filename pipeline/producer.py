@@ -93,8 +93,9 @@ class LagMonitor:
 
     def lag(self) -> int:
         md = self.consumer.list_topics(self.topic, timeout=10)
-        parts = [confluent_kafka.TopicPartition(self.topic, p)
-                 for p in md.topics[self.topic].partitions]
+        parts = [
+            confluent_kafka.TopicPartition(self.topic, p) for p in md.topics[self.topic].partitions
+        ]
         committed = self.consumer.committed(parts, timeout=10)
         total = 0
         for tp in committed:
@@ -110,8 +111,12 @@ class LagMonitor:
 class RolloutProducer:
     """Runs episodes until ``max_episodes`` or until stopped; see module docstring."""
 
-    def __init__(self, cfg: ProducerConfig, kafka: KafkaConfig,
-                 on_progress: Callable[[RolloutProducer], None] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ProducerConfig,
+        kafka: KafkaConfig,
+        on_progress: Callable[[RolloutProducer], None] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.kafka = kafka
         self.tokenizer = ByteTokenizer()
@@ -127,7 +132,11 @@ class RolloutProducer:
         self.weights: WeightsSubscriber | None = None
         if cfg.checkpoint_roots:
             self.weights = WeightsSubscriber(
-                kafka, cfg.namespace, cfg.model, self.tokenizer.id, cfg.checkpoint_roots,
+                kafka,
+                cfg.namespace,
+                cfg.model,
+                self.tokenizer.id,
+                cfg.checkpoint_roots,
                 self.server.swap,
             )
         self._rng = random.Random(cfg.seed)
@@ -182,8 +191,9 @@ class RolloutProducer:
 
     async def _drain(self, running: set[asyncio.Task[None]]) -> None:
         if running:
-            _, pending = await asyncio.wait(set(running), timeout=self.cfg.grace_s
-                                            if self.stop_event.is_set() else None)
+            _, pending = await asyncio.wait(
+                set(running), timeout=self.cfg.grace_s if self.stop_event.is_set() else None
+            )
             for t in pending:
                 t.cancel()
             self.stats.dropped += len(pending)
@@ -201,16 +211,15 @@ class RolloutProducer:
     async def _episode(self, member: GroupSlot, slot: int, free: list[int]) -> None:
         env = make(self.cfg.env, **self.cfg.env_options)
         try:
-            t = await asyncio.wait_for(
-                run_episode(env, member, self.server, slot, self.tokenizer, self.cfg.limits,
-                            self.cfg.producer_id),
-                self.cfg.limits.episode_timeout_s,
+            t = await run_episode(
+                env,
+                member,
+                self.server,
+                slot,
+                self.tokenizer,
+                self.cfg.limits,
+                self.cfg.producer_id,
             )
-        except asyncio.TimeoutError:
-            self.server.release(slot)
-            self.stats.finished["timeout"] += 1
-            log.warning("episode past its timeout group=%s", member.group_id)
-            return
         finally:
             free.append(slot)
         self.writer.write(t)
@@ -220,8 +229,11 @@ class RolloutProducer:
         adm = self.cfg.admission
         if adm.max_staleness < 0:
             return
-        monitor = LagMonitor(self.kafka, rollout_topic(self.cfg.namespace, self.cfg.env),
-                             f"{self.cfg.namespace}.trainer")
+        monitor = LagMonitor(
+            self.kafka,
+            rollout_topic(self.cfg.namespace, self.cfg.env),
+            f"{self.cfg.namespace}.trainer",
+        )
         try:
             while True:
                 lag = await asyncio.to_thread(monitor.lag)

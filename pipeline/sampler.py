@@ -11,6 +11,7 @@ carries the policy version that produced it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -39,7 +40,7 @@ class SamplingConfig:
 
 
 def sample_tokens(
-    logits: jax.Array, key: jax.Array, temperature: float, top_p: float
+    logits: jax.Array, key: jax.Array, temperature: float | jax.Array, top_p: float | jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """Draw one token per row of ``logits [B, V]``; return tokens and their
     log-probabilities under the temperature-scaled policy (before top-p truncation, the
@@ -51,8 +52,8 @@ def sample_tokens(
     order = jnp.argsort(-logp, axis=-1)
     sorted_p = jnp.take_along_axis(jnp.exp(logp), order, axis=-1)
     keep_sorted = (jnp.cumsum(sorted_p, axis=-1) - sorted_p) < top_p
-    keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(
-        keep_sorted
+    keep = (
+        jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
     )
     masked = jnp.where(keep, scaled, -jnp.inf)
     drawn = jax.random.categorical(key, masked, axis=-1)
@@ -75,11 +76,13 @@ class DecodeEngine:
         sampling: SamplingConfig | None = None,
         *,
         chunk: int = 16,
+        prefill_rows: int = 8,
         version: int = 0,
     ) -> None:
         self.cfg = model.cfg
         self.slots = slots
         self.chunk = chunk
+        self.prefill_rows = min(prefill_rows, slots)
         self.sampling = sampling or SamplingConfig()
         self.graphdef, self.state = nnx.split(model)
         self.version = version
@@ -90,21 +93,41 @@ class DecodeEngine:
         self._key = jax.random.key(self.sampling.seed)
         graphdef = self.graphdef
 
-        @jax.jit
-        def prefill(state: Any, cache: KVCache, tokens: jax.Array, positions: jax.Array,
-                    write: jax.Array) -> KVCache:
+        @functools.partial(jax.jit, donate_argnums=1)
+        def prefill(
+            state: Any,
+            cache: KVCache,
+            rows: jax.Array,
+            tokens: jax.Array,
+            positions: jax.Array,
+            write: jax.Array,
+        ) -> KVCache:
+            # only the rows being prefilled are computed: gathered, run, scattered back
             model = nnx.merge(graphdef, state)
-            _, cache = model(tokens, positions, cache, write)
-            return cache
+            sub = KVCache(tuple(k[rows] for k in cache.k), tuple(v[rows] for v in cache.v))
+            _, new = model(tokens, positions, sub, write)
+            assert new is not None
+            return KVCache(
+                tuple(k.at[rows].set(n) for k, n in zip(cache.k, new.k, strict=True)),
+                tuple(v.at[rows].set(n) for v, n in zip(cache.v, new.v, strict=True)),
+            )
 
-        @jax.jit
-        def decode(state: Any, cache: KVCache, tokens: jax.Array, positions: jax.Array,
-                   write: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array
-                   ) -> tuple[KVCache, jax.Array, jax.Array]:
+        @functools.partial(jax.jit, donate_argnums=1)
+        def decode(
+            state: Any,
+            cache: KVCache,
+            tokens: jax.Array,
+            positions: jax.Array,
+            write: jax.Array,
+            key: jax.Array,
+            temperature: jax.Array,
+            top_p: jax.Array,
+        ) -> tuple[KVCache, jax.Array, jax.Array]:
             model = nnx.merge(graphdef, state)
-            logits, cache = model(tokens, positions, cache, write)
+            logits, new = model(tokens, positions, cache, write)
+            assert new is not None
             nxt, logp = sample_tokens(logits[:, -1], key, temperature, top_p)
-            return cache, nxt, logp
+            return new, nxt, logp
 
         self._prefill = prefill
         self._decode = decode
@@ -139,25 +162,33 @@ class DecodeEngine:
     # ---- compute ------------------------------------------------------------------------
 
     def flush(self) -> None:
-        """Prefill every queued token, in chunks batched across slots."""
-        while any(self._queued):
-            tokens = np.zeros((self.slots, self.chunk), np.int32)
-            positions = np.zeros((self.slots, self.chunk), np.int32)
-            write = np.zeros(self.slots, bool)
-            for s, q in enumerate(self._queued):
-                if not q:
-                    continue
+        """Prefill every queued token: chunks of ``chunk`` tokens for up to
+        ``prefill_rows`` slots per call (fixed shapes, so nothing recompiles)."""
+        while True:
+            waiting = [s for s, q in enumerate(self._queued) if q][: self.prefill_rows]
+            if not waiting:
+                return
+            # pad with other slots that write nothing: rows must be distinct
+            others = [s for s in range(self.slots) if s not in waiting]
+            rows = (waiting + others)[: self.prefill_rows]
+            tokens = np.zeros((len(rows), self.chunk), np.int32)
+            positions = np.zeros((len(rows), self.chunk), np.int32)
+            write = np.zeros(len(rows), bool)
+            for r, s in enumerate(waiting):
+                q = self._queued[s]
                 n = min(len(q), self.chunk)
-                tokens[s, :n] = q[:n]
-                positions[s] = self.length[s] + np.arange(self.chunk)
+                tokens[r, :n] = q[:n]
+                positions[r] = self.length[s] + np.arange(self.chunk)
                 # padding repeats the last real token at its position: it writes the same
                 # keys and values there again, and nothing past the real tokens
-                positions[s, n:] = positions[s, n - 1]
-                tokens[s, n:] = tokens[s, n - 1]
-                write[s] = True
+                positions[r, n:] = positions[r, n - 1]
+                tokens[r, n:] = tokens[r, n - 1]
+                write[r] = True
                 self.length[s] += n
                 del q[:n]
-            self.cache = self._prefill(self.state, self.cache, tokens, positions, write)
+            self.cache = self._prefill(
+                self.state, self.cache, np.asarray(rows, np.int32), tokens, positions, write
+            )
 
     def step(self, slots: list[int]) -> dict[int, tuple[int, float, int]]:
         """Feed the pending token of each slot and sample its successor: returns
@@ -176,8 +207,14 @@ class DecodeEngine:
         self._key, key = jax.random.split(self._key)
         sp = self.sampling
         self.cache, nxt, logp = self._decode(
-            self.state, self.cache, tokens, positions, write, key,
-            jnp.float32(sp.temperature), jnp.float32(sp.top_p),
+            self.state,
+            self.cache,
+            tokens,
+            positions,
+            write,
+            key,
+            jnp.float32(sp.temperature),
+            jnp.float32(sp.top_p),
         )
         nxt_np, logp_np = np.asarray(nxt), np.asarray(logp)
         out = {}

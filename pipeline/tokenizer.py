@@ -34,9 +34,11 @@ class ByteTokenizer:
         self.special = {name: 256 + i for i, name in enumerate(SPECIALS)}
         self._names = {v: k for k, v in self.special.items()}
         self.vocab_size = (256 + len(SPECIALS) + 15) // 16 * 16
-        self.pad, self.bos, self.eos = self.special["<pad>"], self.special["<bos>"], self.special[
-            "<eos>"
-        ]
+        self.pad, self.bos, self.eos = (
+            self.special["<pad>"],
+            self.special["<bos>"],
+            self.special["<eos>"],
+        )
         self.call, self.end_call = self.special["<call>"], self.special["</call>"]
 
     def encode(self, text: str) -> list[int]:

@@ -35,8 +35,15 @@ log = logging.getLogger(__name__)
 KEY = b"policy"
 
 
-def announcement(version: int, step: int, path: Path, cfg: ModelConfig, tokenizer_id: str,
-                 trainer_id: str, metrics: dict[str, float] | None = None) -> dict[str, Any]:
+def announcement(
+    version: int,
+    step: int,
+    path: Path,
+    cfg: ModelConfig,
+    tokenizer_id: str,
+    trainer_id: str,
+    metrics: dict[str, float] | None = None,
+) -> dict[str, Any]:
     """The announcement of the checkpoint at ``path`` (its digest is computed here)."""
     return {
         "policy_version": version,
@@ -52,11 +59,14 @@ def announcement(version: int, step: int, path: Path, cfg: ModelConfig, tokenize
     }
 
 
-def announce(producer: confluent_kafka.Producer, namespace: str, record: dict[str, Any],
-             timeout: float = 30.0) -> None:
+def announce(
+    producer: confluent_kafka.Producer,
+    namespace: str,
+    record: dict[str, Any],
+    timeout: float = 30.0,
+) -> None:
     """Send one announcement and wait until the broker has it."""
-    producer.produce(weights_topic(namespace), AvroCodec("WeightsAnnouncement").encode(record),
-                     KEY)
+    producer.produce(weights_topic(namespace), AvroCodec("WeightsAnnouncement").encode(record), KEY)
     if producer.flush(timeout):
         raise TimeoutError("weights announcement not acknowledged")
 
@@ -78,9 +88,16 @@ class WeightsSubscriber:
     """Follows ``<ns>.weights`` on a background thread and calls
     ``on_weights(params, version)`` for each verified, restored checkpoint."""
 
-    def __init__(self, kafka: KafkaConfig, namespace: str, cfg: ModelConfig, tokenizer_id: str,
-                 allowed_roots: Sequence[Path], on_weights: Callable[[Any, int], None],
-                 current_version: int = 0) -> None:
+    def __init__(
+        self,
+        kafka: KafkaConfig,
+        namespace: str,
+        cfg: ModelConfig,
+        tokenizer_id: str,
+        allowed_roots: Sequence[Path],
+        on_weights: Callable[[Any, int], None],
+        current_version: int = 0,
+    ) -> None:
         self.kafka = kafka
         self.namespace = namespace
         self.cfg = cfg
@@ -107,26 +124,28 @@ class WeightsSubscriber:
         codec = AvroCodec("WeightsAnnouncement")
         topic = weights_topic(self.namespace)
         consumer = self.kafka.consumer(None, **{"enable.partition.eof": True})
-        consumer.assign([confluent_kafka.TopicPartition(topic, 0,
-                                                        confluent_kafka.OFFSET_BEGINNING)])
+        consumer.assign(
+            [confluent_kafka.TopicPartition(topic, 0, confluent_kafka.OFFSET_BEGINNING)]
+        )
         latest: dict[str, Any] | None = None
         try:
             while not self._stop.is_set():
                 msg = consumer.poll(0.2)
                 if msg is None:
                     continue
-                if msg.error() is not None:
-                    if msg.error().code() == confluent_kafka.KafkaError._PARTITION_EOF:
+                err = msg.error()
+                if err is not None:
+                    if err.code() == confluent_kafka.KafkaError._PARTITION_EOF:
                         # caught up: apply the newest seen while reading the backlog
                         if latest is not None:
                             self._apply(latest)
                             latest = None
                         self.caught_up.set()
                     else:
-                        log.warning("weights consumer error=%s", msg.error().str())
+                        log.warning("weights consumer error=%s", err.str())
                     continue
                 try:
-                    record = codec.decode(msg.value())
+                    record = codec.decode(msg.value() or b"")
                 except RecordDecodeError as e:
                     self._refuse("undecodable", str(e))
                     continue

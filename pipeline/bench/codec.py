@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "pickle": lambda: pickle.loads(pickle.dumps(t, protocol=5)),
             "avro_arrays": avro_arrays,
         },
-        args.seconds,
+        args.seconds or 2.0,
         args.rounds,
     )
     return {

@@ -1,0 +1,240 @@
+"""Rollout producers against the real broker: records, weights reload, refused
+announcements, admission control, clean shutdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from confluent_kafka import TopicPartition
+
+from pipeline.checkpoint import save_params
+from pipeline.codec import TrajectoryHeaders
+from pipeline.episode import EpisodeLimits
+from pipeline.kafka import KafkaConfig
+from pipeline.model import ModelConfig, init_model, token_logprobs
+from pipeline.producer import AdmissionConfig, ProducerConfig, RolloutProducer
+from pipeline.tokenizer import TOKENIZER_ID
+from pipeline.topics import ensure_topics, namespace_topics, rollout_topic
+from pipeline.transport import Decoded, TrajectoryReader
+from pipeline.weights import announce, announcement
+
+pytestmark = pytest.mark.integration
+
+CFG = ModelConfig(d_model=32, num_layers=1, num_heads=2, d_ff=64, max_len=128)
+
+
+def producer_config(namespace: str, **kw: object) -> ProducerConfig:
+    base: dict[str, object] = dict(
+        namespace=namespace,
+        env="guess",
+        concurrency=8,
+        group_size=4,
+        model=CFG,
+        limits=EpisodeLimits(max_new_tokens=4),
+        admission=AdmissionConfig(max_staleness=-1),
+    )
+    base.update(kw)
+    return ProducerConfig(**base)  # type: ignore[arg-type]
+
+
+def read_all(kafka: KafkaConfig, namespace: str, count: int) -> list[Decoded]:
+    reader = TrajectoryReader(kafka, [rollout_topic(namespace, "guess")], f"{namespace}.check")
+    got = reader.read(count, timeout=60)
+    reader.close()
+    assert all(isinstance(r, Decoded) for r in got)
+    return got  # type: ignore[return-value]
+
+
+def test_records_arrive_decodable_with_keys_and_headers(kafka: KafkaConfig, namespace: str) -> None:
+    ensure_topics(kafka, namespace_topics(namespace, ["guess"], 2))
+    stats = RolloutProducer(producer_config(namespace, max_episodes=16), kafka).run()
+    assert sum(stats.finished.values()) == 16
+    consumer = kafka.consumer(f"{namespace}.raw")
+    consumer.subscribe([rollout_topic(namespace, "guess")])
+    msgs = []
+    deadline = time.monotonic() + 60
+    while len(msgs) < 16 and time.monotonic() < deadline:
+        m = consumer.poll(0.5)
+        if m is not None and m.error() is None:
+            msgs.append(m)
+    consumer.close()
+    assert len(msgs) == 16
+    from pipeline.codec import TrajectoryCodec
+
+    codec = TrajectoryCodec()
+    groups: dict[str, list[int]] = {}
+    for m in msgs:
+        t = codec.decode(m.value())
+        assert m.key() == t.group_id.encode()
+        h = TrajectoryHeaders.parse(m.headers())
+        assert (h.env, h.group_id, h.num_tokens, h.min_version) == (
+            "guess",
+            t.group_id,
+            t.num_tokens,
+            0,
+        )
+        assert t.tokenizer_id == TOKENIZER_ID and t.env == "guess"
+        groups.setdefault(t.group_id, []).append(t.group_index)
+    assert sorted(len(v) for v in groups.values()) == [4, 4, 4, 4]
+    assert all(sorted(v) == [0, 1, 2, 3] for v in groups.values())
+
+
+def run_in_thread(producer: RolloutProducer) -> threading.Thread:
+    th = threading.Thread(target=producer.run, daemon=True)
+    th.start()
+    return th
+
+
+def wait_for(cond, timeout: float = 60.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.1)
+
+
+def test_announced_weights_are_picked_up_mid_run(
+    kafka: KafkaConfig, namespace: str, tmp_path: Path
+) -> None:
+    ensure_topics(kafka, namespace_topics(namespace, ["guess"], 1))
+    producer = RolloutProducer(producer_config(namespace, checkpoint_roots=(tmp_path,)), kafka)
+    th = run_in_thread(producer)
+    wait_for(lambda: producer.writer.sent >= 8)
+
+    new_model = init_model(CFG, seed=42)
+    path = save_params(tmp_path / "v5", new_model)
+    with_kafka = kafka.producer()
+    announce(with_kafka, namespace, announcement(5, 5, path, CFG, TOKENIZER_ID, "trainer"))
+    wait_for(lambda: producer.version == 5, 60)
+    sent_at_swap = producer.writer.sent
+    wait_for(lambda: producer.writer.sent >= sent_at_swap + 8, 60)
+    producer.stop()
+    th.join(60)
+    assert producer.weights is not None and producer.weights.accepted == 1
+
+    records = read_all(kafka, namespace, producer.writer.sent)
+    new = [r.trajectory for r in records if r.trajectory.max_version == 5]
+    assert new, "no trajectory carries the new policy version"
+    # tokens sampled by version 5 have the new model's log-probabilities
+    t = new[-1]
+    full = np.asarray(token_logprobs(new_model, jnp.asarray([t.tokens.tolist()]))[0])
+    for span in t.version_spans:
+        if span.version == 5:
+            idx = [i for i in range(span.start, span.end) if t.loss_mask[i]]
+            np.testing.assert_allclose(t.logprobs[idx], full[idx], atol=1e-4)
+
+
+def test_bad_announcements_are_refused_and_old_weights_stay(
+    kafka: KafkaConfig, namespace: str, tmp_path: Path
+) -> None:
+    ensure_topics(kafka, namespace_topics(namespace, ["guess"], 1))
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    producer = RolloutProducer(producer_config(namespace, checkpoint_roots=(root,)), kafka)
+    th = run_in_thread(producer)
+    wait_for(lambda: producer.writer.sent >= 4)
+    model = init_model(CFG, seed=7)
+    good = save_params(root / "v3", model)
+    elsewhere = save_params(outside / "v3", model)
+    p = kafka.producer()
+    tampered = announcement(3, 3, good, CFG, TOKENIZER_ID, "t")
+    tampered["digest"] = "sha256:" + "0" * 64
+    announce(p, namespace, tampered)
+    announce(p, namespace, announcement(4, 4, elsewhere, CFG, TOKENIZER_ID, "t"))
+    escaping = announcement(5, 5, good, CFG, TOKENIZER_ID, "t")
+    escaping["checkpoint_uri"] = str(root / ".." / "outside" / "v3")
+    escaping["digest"] = announcement(5, 5, elsewhere, CFG, TOKENIZER_ID, "t")["digest"]
+    announce(p, namespace, escaping)
+    other_model = announcement(6, 6, good, ModelConfig(), TOKENIZER_ID, "t")
+    announce(p, namespace, other_model)
+    assert producer.weights is not None
+    wait_for(lambda: sum(producer.weights.refused.values()) >= 4)  # type: ignore[union-attr]
+    producer.stop()
+    th.join(60)
+    assert producer.version == 0
+    assert producer.weights.refused == {"digest": 1, "uri": 2, "model_config": 1}
+
+
+def test_admission_control_pauses_until_the_trainer_catches_up(
+    kafka: KafkaConfig, namespace: str
+) -> None:
+    ensure_topics(kafka, namespace_topics(namespace, ["guess"], 1))
+    adm = AdmissionConfig(max_staleness=1, trainer_batch=4, poll_s=0.2)
+    producer = RolloutProducer(producer_config(namespace, admission=adm, concurrency=4), kafka)
+    th = run_in_thread(producer)
+    wait_for(lambda: producer.stats.paused, 60)
+    time.sleep(2.0)
+    started_while_paused = producer.stats.started
+    time.sleep(2.0)
+    assert producer.stats.paused
+    assert producer.stats.started - started_while_paused <= 4  # at most the open group
+    # the "trainer" commits everything: lag drains, production resumes
+    topic = rollout_topic(namespace, "guess")
+    trainer = kafka.consumer(f"{namespace}.trainer")
+    _, high = trainer.get_watermark_offsets(TopicPartition(topic, 0), timeout=10)
+    trainer.commit(offsets=[TopicPartition(topic, 0, high)], asynchronous=False)
+    trainer.close()
+    wait_for(lambda: not producer.stats.paused, 30)
+    wait_for(lambda: producer.stats.started > started_while_paused + 4, 30)
+    producer.stop()
+    th.join(60)
+    assert producer.stats.paused_s > 0
+
+
+def test_sigterm_finishes_in_flight_work_and_flushes(bootstrap: str, namespace: str) -> None:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "produce",
+            "--bootstrap",
+            bootstrap,
+            "--namespace",
+            namespace,
+            "--env",
+            "guess",
+            "--concurrency",
+            "8",
+            "--group-size",
+            "4",
+            "--latency-ms",
+            "50",
+            "--max-staleness",
+            "-1",
+            "--grace-s",
+            "10",
+            "--json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ),
+    )
+    deadline = time.monotonic() + 90
+    assert proc.stdout is not None
+    lines = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        lines.append(line)
+        if line.startswith("episodes=") and int(line.split()[0].split("=")[1]) >= 8:
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    figures = json.loads(out.strip().splitlines()[-1])["figures"]
+    assert figures["sent"] == figures["delivered"] == figures["episodes"]
+    assert figures["delivery_failed"] == 0
+    got = read_all(KafkaConfig(bootstrap=bootstrap), namespace, figures["delivered"])
+    assert len({r.trajectory.trajectory_id for r in got}) == figures["delivered"]

@@ -1,0 +1,200 @@
+"""Episodes: token in, token out; failures end one episode only; tool calls."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from connectors.base import Environment, Step, Task, make
+from pipeline.codec import TrajectoryCodec
+from pipeline.episode import EpisodeLimits, GroupSlot, run_episode
+from pipeline.model import ModelConfig, init_model, token_logprobs
+from pipeline.policy_server import PolicyServer, TurnResult
+from pipeline.sampler import DecodeEngine, SamplingConfig
+from pipeline.tokenizer import ByteTokenizer
+
+CFG = ModelConfig(d_model=32, num_layers=1, num_heads=2, d_ff=64, max_len=128)
+TOK = ByteTokenizer()
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    return init_model(CFG, seed=3)
+
+
+def server_for(model: Any, slots: int) -> PolicyServer:
+    engine = DecodeEngine(model, slots, SamplingConfig(1.0, seed=4), chunk=8)
+    return PolicyServer(engine, {TOK.eos, TOK.end_call}).start()
+
+
+def member(i: int = 0, task: Task | None = None) -> GroupSlot:
+    return GroupSlot("g", 4, i, task or Task("t", {"secret": 3}))
+
+
+def test_trajectory_is_exactly_what_the_sampler_saw(model: Any) -> None:
+    server = server_for(model, 1)
+    env = make("guess", max_turns=3)
+    t = asyncio.run(
+        run_episode(env, member(), server, 0, TOK, EpisodeLimits(max_new_tokens=6), "p")
+    )
+    server.stop()
+    text = TOK.decode(t.tokens.tolist(), specials=True)
+    assert text.startswith("<bos><user>Guess my number from 1 to 8.<assistant>")
+    roles = [turn.role for turn in t.turns]
+    assert roles[0] == "user" and roles[1] == "assistant"
+    # policy tokens are exactly the assistant turns after their opener token
+    policy = np.flatnonzero(t.loss_mask)
+    expected = [
+        p for turn in t.turns if turn.role == "assistant" for p in range(turn.start + 1, turn.end)
+    ]
+    assert policy.tolist() == expected
+    for turn in t.turns:
+        if turn.role == "environment":
+            obs = TOK.decode(t.tokens[turn.start : turn.end].tolist())
+            assert obs in ("Higher.", "Lower.", "Say a number.")
+    # behaviour log-probabilities are those of the model on the recorded sequence:
+    # the cache held exactly these tokens
+    full = np.asarray(token_logprobs(model, jnp.asarray([t.tokens.tolist()]))[0])
+    np.testing.assert_allclose(t.logprobs[policy], full[policy], atol=1e-4)
+    assert t.version_spans[0].version == 0
+    TrajectoryCodec().encode(t)  # a valid record
+
+
+class Hanging(Environment):
+    name = "hanging"
+
+    def __init__(self, hang: bool) -> None:
+        self.hang = hang
+
+    def sample_task(self, rng: random.Random) -> Task:
+        return Task("x")
+
+    async def reset(self, task: Task) -> str:
+        return "go"
+
+    async def step(self, action: str) -> Step:
+        if self.hang:
+            await asyncio.Event().wait()
+        return Step("done", 1.0, True)
+
+
+class Failing(Hanging):
+    name = "failing"
+
+    async def step(self, action: str) -> Step:
+        raise ConnectionError("sandbox died")
+
+
+def test_a_hanging_episode_does_not_hold_up_the_others(model: Any) -> None:
+    server = server_for(model, 4)
+    limits = EpisodeLimits(max_new_tokens=4, step_timeout_s=4.0)
+
+    async def main() -> tuple[list[Any], float, Any]:
+        # warm up (compile) first, so that only environment time is measured
+        await run_episode(Hanging(False), member(1), server, 1, TOK, limits, "p")
+        start = time.monotonic()
+        hanging = asyncio.create_task(
+            run_episode(Hanging(True), member(0), server, 0, TOK, limits, "p")
+        )
+        others = [
+            asyncio.create_task(run_episode(Hanging(False), member(i), server, i, TOK, limits, "p"))
+            for i in (1, 2, 3)
+        ]
+        done = await asyncio.gather(*others)
+        elapsed = time.monotonic() - start
+        assert not hanging.done()
+        return done, elapsed, await hanging
+
+    done, elapsed, hung = asyncio.run(main())
+    server.stop()
+    assert [t.status for t in done] == ["ok"] * 3 and elapsed < 3.5
+    assert hung.status == "timeout" and hung.reward == 0.0
+
+
+def test_environment_failure_is_a_record_not_a_crash(model: Any) -> None:
+    server = server_for(model, 1)
+    t = asyncio.run(run_episode(Failing(False), member(), server, 0, TOK, EpisodeLimits(4), "p"))
+    server.stop()
+    assert t.status == "env_error"
+    TrajectoryCodec().encode(t)
+
+
+class Scripted:
+    """A policy that says what it is told (to drive tool calls deterministically)."""
+
+    def __init__(self, turns: list[list[int]]) -> None:
+        self.turns = turns
+        self.fed: list[list[int]] = []
+        self.engine = self
+        self.version = 0
+
+    def room(self, slot: int) -> int:
+        return 1000
+
+    async def generate(
+        self, slot: int, tokens: list[int], max_new: int, *, reset: bool = False
+    ) -> TurnResult:
+        self.fed.append(list(tokens))
+        out = self.turns.pop(0)
+        stop = out[-1] if out[-1] in (TOK.eos, TOK.end_call) else None
+        return TurnResult(out, [-0.5] * len(out), [0] * len(out), stop)
+
+
+def test_tool_call_result_goes_back_as_an_observation() -> None:
+    call = [TOK.call, *TOK.encode("calc 6*7"), TOK.end_call]
+    answer = [*TOK.encode("42"), TOK.eos]
+    policy = Scripted([call, answer])
+    env = make("calc")
+    task = Task("calc-6*7+0", {"expression": "6*7+0", "answer": 42})
+    t = asyncio.run(
+        run_episode(
+            env,
+            member(task=task),
+            policy,
+            0,
+            TOK,  # type: ignore[arg-type]
+            EpisodeLimits(8),
+            "p",
+        )
+    )
+    assert t.status == "ok" and t.reward == 1.0
+    tool_turn = next(turn for turn in t.turns if turn.role == "tool")
+    assert tool_turn.tool_name == "calc"
+    assert TOK.decode(t.tokens[tool_turn.start : tool_turn.end].tolist()) == "42"
+    # the second feed is exactly the tool turn plus the assistant opener
+    assert policy.fed[1] == [*TOK.turn("tool", "42"), TOK.special["<assistant>"]]
+    assert TOK.decode(t.tokens.tolist(), specials=True).endswith("<assistant>42<eos>")
+
+
+def test_unknown_tool_is_reported_to_the_agent() -> None:
+    policy = Scripted(
+        [[TOK.call, *TOK.encode("rm -rf"), TOK.end_call], [*TOK.encode("1"), TOK.eos]]
+    )
+    t = asyncio.run(
+        run_episode(
+            make("calc"),
+            member(task=Task("c", {"expression": "1", "answer": 1})),
+            policy,
+            0,
+            TOK,
+            EpisodeLimits(8),
+            "p",
+        )
+    )  # type: ignore[arg-type]
+    tool_turn = next(turn for turn in t.turns if turn.role == "tool")
+    assert "no tool named 'rm'" in TOK.decode(t.tokens[tool_turn.start : tool_turn.end].tolist())
+
+
+def test_safe_arithmetic_evaluates_nothing_else() -> None:
+    from connectors.builtin import safe_arithmetic
+
+    assert safe_arithmetic("3*(4+5)-2") == 25
+    for bad in ("__import__('os')", "2**99999", "a+1", "1/0", "1//0", "9" * 80):
+        with pytest.raises(ValueError):
+            safe_arithmetic(bad)

@@ -1,0 +1,91 @@
+"""The sampler's log-probabilities are those of a full forward pass; shapes are fixed."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pipeline.model import ModelConfig, init_model, token_logprobs
+from pipeline.sampler import DecodeEngine, SamplingConfig, sample_tokens
+
+CFG = ModelConfig(d_model=32, num_layers=2, num_heads=2, d_ff=64, max_len=64)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_match_a_full_forward_pass(temperature: float) -> None:
+    model = init_model(CFG, seed=1)
+    engine = DecodeEngine(
+        model, slots=3, sampling=SamplingConfig(temperature, 0.9, seed=2), chunk=4
+    )
+    seqs = {0: [257, 1, 2, 3, 4, 5, 6], 1: [257], 2: list(range(20))}
+    for s, t in seqs.items():
+        engine.append(s, list(t))
+    sampled: dict[int, list[float]] = {s: [] for s in seqs}
+    for i in range(10):
+        if i == 4:  # an observation arrives in the middle, for slot 0 only
+            engine.append(0, [9, 8, 7])
+            seqs[0] += [9, 8, 7]
+            sampled[0] += [None, None, None]  # type: ignore[list-item]
+        for s, (tok, lp, _) in engine.step(list(seqs)).items():
+            seqs[s].append(tok)
+            sampled[s].append(lp)
+    for s, toks in seqs.items():
+        full = np.asarray(token_logprobs(model, jnp.asarray([toks]), temperature)[0])
+        got = sampled[s]
+        want = full[-len(got) :]
+        for g, w in zip(got, want, strict=True):
+            if g is not None:
+                assert abs(g - w) < 1e-4
+
+
+def test_greedy_is_deterministic_and_seeded_sampling_repeats() -> None:
+    model = init_model(CFG, seed=0)
+
+    def run(sampling: SamplingConfig) -> list[int]:
+        engine = DecodeEngine(model, slots=1, sampling=sampling)
+        engine.append(0, [257, 3])
+        return [engine.step([0])[0][0] for _ in range(8)]
+
+    assert run(SamplingConfig(0.0)) == run(SamplingConfig(0.0, seed=9))
+    assert run(SamplingConfig(1.0, seed=5)) == run(SamplingConfig(1.0, seed=5))
+
+
+def test_top_p_keeps_only_the_nucleus() -> None:
+    logits = jnp.log(jnp.asarray([[0.6, 0.3, 0.05, 0.05]]))
+    keys = jax.random.split(jax.random.key(0), 200)
+    drawn = {int(sample_tokens(logits, k, 1.0, 0.8)[0][0]) for k in keys}
+    assert drawn == {0, 1}
+    tok, lp = sample_tokens(logits, keys[0], 1.0, 1.0)
+    assert abs(float(lp[0]) - float(jnp.log(jnp.asarray([0.6, 0.3, 0.05, 0.05])[tok[0]]))) < 1e-5
+
+
+def test_steps_do_not_recompile() -> None:
+    model = init_model(CFG, seed=0)
+    engine = DecodeEngine(model, slots=4, chunk=4)
+    for s in range(4):
+        engine.append(s, [257, s])
+    engine.step([0, 1, 2, 3])
+    compiled = engine._decode._cache_size(), engine._prefill._cache_size()
+    for i in range(6):
+        engine.append(i % 4, list(range(i + 1)))  # prefills of varying length
+        engine.step([i % 4, (i + 1) % 4])  # varying subsets of slots
+    assert (engine._decode._cache_size(), engine._prefill._cache_size()) == compiled
+
+
+def test_swap_changes_the_policy_and_the_version() -> None:
+    from flax import nnx
+
+    a, b = init_model(CFG, seed=0), init_model(CFG, seed=1)
+    engine = DecodeEngine(a, slots=1, sampling=SamplingConfig(0.0))
+    engine.append(0, [257, 4, 5])
+    v = engine.step([0])[0][2]
+    assert v == 0
+    engine.reset(0)
+    engine.append(0, [257, 4, 5])
+    engine.swap(nnx.split(b)[1], 7)
+    tok, lp_b, v = engine.step([0])[0]
+    assert v == 7
+    full = token_logprobs(b, jnp.asarray([[257, 4, 5, tok]]))[0, -1]
+    assert abs(float(full) - lp_b) < 1e-4
