@@ -84,9 +84,14 @@ class DecodeEngine:
         self.chunk = chunk
         self.prefill_rows = min(prefill_rows, slots)
         self.sampling = sampling or SamplingConfig()
-        self.graphdef, self.state = nnx.split(model)
+        # Parameters and cache are committed to one device, whatever produced them (a
+        # restored checkpoint is committed, a fresh model is not): mixing the two would
+        # make every jitted call compile again.
+        self.device = jax.devices()[0]
+        self.graphdef, state = nnx.split(model)
+        self.state = jax.device_put(state, self.device)
         self.version = version
-        self.cache = KVCache.zeros(self.cfg, slots)
+        self.cache = jax.device_put(KVCache.zeros(self.cfg, slots), self.device)
         self.length = np.zeros(slots, np.int64)
         self.pending: list[int | None] = [None] * slots
         self._queued: list[list[int]] = [[] for _ in range(slots)]
@@ -156,7 +161,7 @@ class DecodeEngine:
 
     def swap(self, state: Any, version: int) -> None:
         """Use new parameters from the next step on (same structure and shapes)."""
-        self.state = state
+        self.state = jax.device_put(state, self.device)
         self.version = version
 
     # ---- compute ------------------------------------------------------------------------

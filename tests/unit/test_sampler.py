@@ -89,3 +89,19 @@ def test_swap_changes_the_policy_and_the_version() -> None:
     assert v == 7
     full = token_logprobs(b, jnp.asarray([[257, 4, 5, tok]]))[0, -1]
     assert abs(float(full) - lp_b) < 1e-4
+
+
+def test_swapping_in_a_restored_checkpoint_does_not_recompile(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from pipeline.checkpoint import restore_params, save_params
+
+    engine = DecodeEngine(init_model(CFG, seed=0), slots=2, chunk=4)
+    for s in range(2):
+        engine.append(s, [257, s, 3])
+    engine.step([0, 1])
+    compiled = engine._decode._cache_size(), engine._prefill._cache_size()
+    save_params(tmp_path / "ckpt", init_model(CFG, seed=1))
+    engine.swap(restore_params(tmp_path / "ckpt", CFG), 1)
+    for _ in range(3):
+        engine.append(0, [4, 5])
+        assert engine.step([0, 1])[0][2] == 1
+    assert (engine._decode._cache_size(), engine._prefill._cache_size()) == compiled
