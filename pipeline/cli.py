@@ -313,6 +313,76 @@ def cmd_produce(args: argparse.Namespace) -> int:
     return 0
 
 
+def trainer_config(args: argparse.Namespace) -> Any:
+    """A TrainerConfig from ``--config FILE`` (JSON: trainer fields, with ``grpo`` and
+    ``model`` objects) overridden by the flags given."""
+    from pipeline.grpo import GRPOConfig
+    from pipeline.model import PRESETS, ModelConfig
+    from pipeline.trainer import TrainerConfig
+
+    raw: dict[str, Any] = json.loads(Path(args.config).read_text()) if args.config else {}
+    grpo = GRPOConfig(**raw.pop("grpo", {}))
+    model = ModelConfig(**raw.pop("model")) if "model" in raw else PRESETS[args.model]
+    for flag in (
+        "groups_per_batch",
+        "group_size",
+        "max_staleness",
+        "publish_every",
+        "max_steps",
+        "seed",
+        "step_delay_s",
+        "group_timeout_s",
+    ):
+        value = getattr(args, flag)
+        if value is not None:
+            raw[flag] = value
+    if "buckets" in raw:
+        raw["buckets"] = tuple(raw["buckets"])
+    try:
+        return TrainerConfig(
+            namespace=args.namespace, run_dir=Path(args.run_dir), grpo=grpo, model=model, **raw
+        )
+    except TypeError as e:
+        raise RlstreamError(f"bad trainer configuration: {e}") from None
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from pipeline.trainer import Trainer
+
+    cfg = trainer_config(args)
+    stop = StopFlag().install()
+    start = time.monotonic()
+
+    def progress(m: dict[str, Any]) -> None:
+        reward = " ".join(f"{e}={r:.3f}" for e, r in m["reward"].items())
+        print(
+            f"step={m['step']} version={m['version']} reward[{reward}] loss={m['loss']:.4f} "
+            f"staleness={m['staleness_mean']:.2f} lag={m['lag']} "
+            f"steps/s={m['step'] / max(1e-9, time.monotonic() - start):.2f} "
+            f"busy={m['busy_share']:.2f} drops={sum(m['drops'].values())}",
+            flush=True,
+        )
+
+    trainer = Trainer(cfg, kafka_config(args), on_step=progress)
+
+    def stop_on_signal() -> None:
+        stop.event.wait()
+        trainer.stop()
+
+    threading.Thread(target=stop_on_signal, daemon=True).start()
+    step = trainer.run()
+    result = {
+        "figures": {
+            "steps": step,
+            "version": trainer.version,
+            "drops": dict(trainer.drops),
+            "deadlettered": trainer.deadlettered,
+        }
+    }
+    print_result(args, result, f"trainer {cfg.trainer_id} stopped at step {step}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from pipeline.bench import codec, rollout, transport, weights
 
@@ -438,6 +508,35 @@ def build_parser() -> argparse.ArgumentParser:
     add_json_arg(p)
     p.set_defaults(func=cmd_produce)
 
+    p = sub.add_parser("train", help="run a trainer: consume, filter, batch, train, publish")
+    add_namespace_arg(p)
+    p.add_argument(
+        "--run-dir",
+        default=env_default("RLSTREAM_RUN_DIR", "runs/trainer"),
+        help="checkpoints, ledger and metrics (env RLSTREAM_RUN_DIR)",
+    )
+    p.add_argument(
+        "--checkpoint-dir", dest="run_dir", default=argparse.SUPPRESS, help="alias of --run-dir"
+    )
+    p.add_argument("--config", default=None, help="JSON file of trainer settings")
+    p.add_argument("--model", default="tiny", choices=["tiny", "small", "base"])
+    p.add_argument("--groups-per-batch", type=int, default=None)
+    p.add_argument("--group-size", type=int, default=None)
+    p.add_argument("--max-staleness", type=int, default=None)
+    p.add_argument("--publish-every", type=int, default=None)
+    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--group-timeout-s", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--step-delay-s",
+        type=float,
+        default=None,
+        help="sleep after each step (to test a slow trainer)",
+    )
+    add_kafka_args(p)
+    add_json_arg(p)
+    p.set_defaults(func=cmd_train)
+
     p = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
     p.add_argument("which", choices=["codec", "transport", "rollout", "weights"])
     p.add_argument(
@@ -470,6 +569,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
         stream=sys.stderr,
     )
+    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-save chatter
     try:
         return int(args.func(args))
     except RlstreamError as e:

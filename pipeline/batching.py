@@ -1,0 +1,157 @@
+"""From decoded trajectories to fixed-shape GRPO batches.
+
+:class:`GroupBuffer` holds trajectories until their GRPO group is complete (an incomplete
+group past its timeout is dropped; the buffer is bounded and drops its oldest groups when
+full). :func:`assemble` turns complete groups into a :class:`~pipeline.grpo.Batch`
+padded to a length bucket, so that the jitted step sees a handful of shapes only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pipeline.grpo import Batch
+from pipeline.trajectory import Trajectory
+from pipeline.transport import Coordinates
+
+
+@dataclass
+class Member:
+    trajectory: Trajectory
+    where: Coordinates
+
+
+@dataclass
+class Group:
+    group_id: str
+    env: str
+    size: int
+    first_seen: float
+    members: dict[int, Member] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.members) == self.size
+
+
+class GroupBuffer:
+    """Trajectories waiting for the rest of their group. ``add`` returns the group if it
+    just became complete; ``expired``/``overflow`` return groups to drop."""
+
+    def __init__(self, max_records: int, timeout_s: float) -> None:
+        self.max_records = max_records
+        self.timeout_s = timeout_s
+        self._groups: OrderedDict[str, Group] = OrderedDict()
+        self.records = 0
+
+    def add(self, t: Trajectory, where: Coordinates) -> Group | None:
+        g = self._groups.get(t.group_id)
+        if g is None:
+            g = self._groups[t.group_id] = Group(t.group_id, t.env, t.group_size, time.monotonic())
+        if t.group_index in g.members:  # a duplicate member: keep the first
+            return None
+        g.members[t.group_index] = Member(t, where)
+        self.records += 1
+        if g.complete:
+            self._remove(g.group_id)
+            return g
+        return None
+
+    def _remove(self, gid: str) -> Group:
+        g = self._groups.pop(gid)
+        self.records -= len(g.members)
+        return g
+
+    def expired(self, now: float | None = None) -> list[Group]:
+        now = time.monotonic() if now is None else now
+        old = [gid for gid, g in self._groups.items() if now - g.first_seen > self.timeout_s]
+        return [self._remove(gid) for gid in old]
+
+    def overflow(self) -> list[Group]:
+        out = []
+        while self.records > self.max_records and self._groups:
+            out.append(self._remove(next(iter(self._groups))))
+        return out
+
+    def drop_partitions(self, tps: set[tuple[str, int]]) -> list[Group]:
+        gone = [
+            gid
+            for gid, g in self._groups.items()
+            if any((m.where.topic, m.where.partition) in tps for m in g.members.values())
+        ]
+        return [self._remove(gid) for gid in gone]
+
+    def __iter__(self) -> Iterator[Group]:
+        return iter(list(self._groups.values()))
+
+
+class GroupQueue:
+    """Complete groups per environment, taken in proportion to ``weights``."""
+
+    def __init__(self, weights: Mapping[str, float]) -> None:
+        self.weights = dict(weights)
+        self._queues: dict[str, deque[Group]] = {}
+        self._taken: dict[str, int] = {}
+
+    def put(self, g: Group) -> None:
+        self._queues.setdefault(g.env, deque()).append(g)
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    def take(self, n: int) -> list[Group]:
+        """``n`` groups: each time from the environment furthest below its share."""
+        out: list[Group] = []
+        while len(out) < n:
+            ready = [e for e, q in self._queues.items() if q]
+            if not ready:
+                break
+
+            def deficit(env: str) -> float:
+                w = self.weights.get(env, 1.0)
+                return self._taken.get(env, 0) / max(w, 1e-9)
+
+            env = min(ready, key=deficit)
+            out.append(self._queues[env].popleft())
+            self._taken[env] = self._taken.get(env, 0) + 1
+        return out
+
+
+def bucket_for(length: int, buckets: Sequence[int]) -> int | None:
+    return next((b for b in sorted(buckets) if length <= b), None)
+
+
+def assemble(
+    groups: Sequence[Group], rows: int, buckets: Sequence[int], eps: float = 1e-6
+) -> tuple[Batch, list[Member]]:
+    """A batch of exactly ``rows`` rows (padding rows have ``valid`` 0) and the members in
+    row order. Advantages are group-normalised rewards."""
+    members = [m for g in groups for m in (g.members[i] for i in sorted(g.members))]
+    longest = max(m.trajectory.num_tokens for m in members)
+    t = bucket_for(longest, buckets)
+    if t is None:
+        raise ValueError(f"trajectory of {longest} tokens exceeds the largest bucket")
+    tokens = np.zeros((rows, t), np.int32)
+    mask = np.zeros((rows, t), np.float32)
+    behaviour = np.zeros((rows, t), np.float32)
+    advantage = np.zeros(rows, np.float32)
+    valid = np.zeros(rows, np.float32)
+    r = 0
+    for g in groups:
+        rewards = np.asarray([g.members[i].trajectory.reward for i in sorted(g.members)])
+        adv = (rewards - rewards.mean()) / (rewards.std() + eps)
+        for k, i in enumerate(sorted(g.members)):
+            tr = g.members[i].trajectory
+            n = tr.num_tokens
+            tokens[r, :n] = tr.tokens
+            mask[r, :n] = tr.loss_mask
+            behaviour[r, :n] = tr.logprobs
+            advantage[r] = adv[k]
+            valid[r] = 1.0
+            r += 1
+    return Batch(tokens, mask, behaviour, advantage, valid), members

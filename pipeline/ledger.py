@@ -1,0 +1,85 @@
+"""The per-step ledger: which records each step trained and which it dropped, and why.
+
+One JSON line per training step in ``<run>/ledger.jsonl`` (and one for drops settled
+while no step ran, at a checkpoint without training). Each record is named by its
+trajectory id (None when it was dropped before decoding) and its Kafka coordinates. Lines
+carry a sequence number ``seq``; a checkpoint records the ``seq`` of the last line it
+covers, lines are durable before their checkpoint is written, and after a restart the
+lines above the restored checkpoint's ``seq`` are removed (that work is done again). So
+the ledger always describes exactly what the durable state contains.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+
+class Ledger:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.trained: list[list[Any]] = []
+        self.dropped: list[list[Any]] = []
+        self.seq = 0
+        if path.exists():
+            lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+            self.seq = json.loads(lines[-1])["seq"] if lines else 0
+
+    def train(self, trajectory_id: str, topic: str, partition: int, offset: int) -> None:
+        self.trained.append([trajectory_id, topic, partition, offset])
+
+    def drop(
+        self, trajectory_id: str | None, topic: str, partition: int, offset: int, reason: str
+    ) -> None:
+        self.dropped.append([trajectory_id, topic, partition, offset, reason])
+
+    def drop_range(self, topic: str, partition: int, start: int, end: int, reason: str) -> None:
+        """Records ``[start, end)`` skipped without reading them."""
+        self.dropped.append([None, topic, partition, [start, end], reason])
+
+    @property
+    def dirty(self) -> bool:
+        return bool(self.trained or self.dropped)
+
+    def close_step(self, step: int, version: int, extra: dict[str, Any] | None = None) -> int:
+        """Write the line of ``step`` and make it durable; returns its ``seq``."""
+        self.seq += 1
+        line = {
+            "seq": self.seq,
+            "step": step,
+            "version": version,
+            "trained": self.trained,
+            "dropped": self.dropped,
+            **(extra or {}),
+        }
+        with self.path.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.trained, self.dropped = [], []
+        return self.seq
+
+    def truncate_after(self, seq: int) -> int:
+        """Remove lines after ``seq`` (work a restart redoes); returns how many."""
+        self.trained, self.dropped = [], []
+        self.seq = seq
+        if not self.path.exists():
+            return 0
+        lines = self.path.read_text().splitlines()
+        keep = [ln for ln in lines if ln.strip() and json.loads(ln)["seq"] <= seq]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(ln + "\n" for ln in keep))
+        os.replace(tmp, self.path)
+        return len(lines) - len(keep)
+
+
+def read_ledger(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+def drop_counts(entries: list[dict[str, Any]]) -> Counter[str]:
+    return Counter(d[4] for e in entries for d in e["dropped"])

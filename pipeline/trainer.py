@@ -1,0 +1,419 @@
+"""The trainer: a member of consumer group ``<ns>.trainer`` that filters, batches and
+trains, and checkpoints so that every trajectory is trained at most once and none is lost.
+
+Per record: settled-before-restart records are skipped; the staleness filter drops a
+record from its headers alone when ``version - min_version > max_staleness``; records
+that do not decode (or carry another tokenizer) go to ``<ns>.deadletter``; the rest wait
+in the group buffer until their GRPO group is complete. When the trainer is far behind, a
+whole range of a partition that is certainly stale (produced before the version that is
+``max_staleness`` steps old was announced) is skipped with one seek.
+
+Every ``publish_every`` steps, in this order: the ledger lines are durable, an orbax
+checkpoint (train state, version, positions) is durable, the positions are committed to
+Kafka, the parameters are saved for producers and announced on ``<ns>.weights``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import confluent_kafka
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from pipeline.batching import GroupBuffer, GroupQueue, assemble, bucket_for
+from pipeline.checkpoint import save_params
+from pipeline.codec import AvroCodec, TrajectoryCodec, TrajectoryHeaders
+from pipeline.errors import InvalidConfigError, RecordDecodeError
+from pipeline.grpo import GRPOConfig, init_state, make_train_step
+from pipeline.kafka import KafkaConfig
+from pipeline.ledger import Ledger
+from pipeline.model import ModelConfig, init_model
+from pipeline.positions import PositionTracker
+from pipeline.tokenizer import TOKENIZER_ID
+from pipeline.topics import ROLLOUTS, check_name, deadletter_topic, env_of
+from pipeline.transport import Coordinates
+from pipeline.weights import announce, announcement
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+    """What a trainer process does. ``buckets`` are the padded sequence lengths."""
+
+    namespace: str
+    run_dir: Path
+    groups_per_batch: int = 8
+    group_size: int = 8
+    max_staleness: int = 4
+    group_timeout_s: float = 120.0
+    buckets: tuple[int, ...] = (64, 128, 256)
+    env_weights: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    publish_every: int = 1
+    keep_checkpoints: int = 3
+    max_steps: int | None = None
+    max_buffered: int = 4096
+    seed: int = 0
+    trainer_id: str = dataclasses.field(default_factory=lambda: f"trainer-{uuid.uuid4().hex[:6]}")
+    step_delay_s: float = 0.0
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
+
+    def __post_init__(self) -> None:
+        check_name("namespace", self.namespace)
+        if max(self.buckets) > self.model.max_len:
+            raise InvalidConfigError(
+                f"bucket {max(self.buckets)} exceeds the model's max_len {self.model.max_len}"
+            )
+        if (self.groups_per_batch * self.group_size) % self.grpo.minibatches:
+            raise InvalidConfigError("batch rows must divide evenly into minibatches")
+
+    @property
+    def rows(self) -> int:
+        return self.groups_per_batch * self.group_size
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        kafka: KafkaConfig,
+        on_step: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.kafka = kafka
+        self.on_step = on_step
+        self.stop_event = threading.Event()
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        self.tx = cfg.grpo.optimizer()
+        self.graphdef, self.state = init_state(init_model(cfg.model, cfg.seed), self.tx)
+        self.train_step = make_train_step(self.graphdef, cfg.grpo, self.tx)
+        self.codec = TrajectoryCodec()
+        self.dead_codec = AvroCodec("DeadLetter")
+        self.ledger = Ledger(cfg.run_dir / "ledger.jsonl")
+        self.metrics_path = cfg.run_dir / "metrics.jsonl"
+        self.tracker = PositionTracker()
+        self.version = 0
+        self.version_times: dict[int, int] = {}
+        self.buffer = GroupBuffer(cfg.max_buffered, cfg.group_timeout_s)
+        self.ready = GroupQueue(cfg.env_weights)
+        self.drops: Counter[str] = Counter()
+        self.drops_by_env: Counter[str] = Counter()
+        self.deadlettered = 0
+        self.busy_s = self.wait_s = 0.0
+        self._last_checkpoint = time.monotonic()
+        self.ckpt = ocp.CheckpointManager(
+            (cfg.run_dir / "checkpoints").absolute(),
+            options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep_checkpoints, create=True),
+        )
+        self._restore()
+        self.consumer = kafka.consumer(f"{cfg.namespace}.trainer")
+        pattern = "^" + cfg.namespace.replace("-", "\\-") + ROLLOUTS.replace(".", "\\.") + ".*"
+        self.consumer.subscribe([pattern], on_assign=self._on_assign, on_revoke=self._on_revoke)
+        self.producer = kafka.producer()
+
+    # ---- restore and positions --------------------------------------------------------
+
+    def _restore(self) -> None:
+        step = self.ckpt.latest_step()
+        if step is None:
+            return
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, self.state)
+        restored = self.ckpt.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+            ),
+        )
+        self.state = restored["state"]
+        meta = restored["meta"]
+        self.version = int(meta["version"])
+        self.version_times = {int(k): int(v) for k, v in meta["version_times"].items()}
+        self.tracker = PositionTracker.from_json(meta["positions"])
+        removed = self.ledger.truncate_after(int(meta["seq"]))
+        log.info(
+            "restored checkpoint step=%d version=%d ledger_lines_removed=%d",
+            step,
+            self.version,
+            removed,
+        )
+
+    def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
+        known = set(self.tracker.partitions())
+        for tp in partitions:
+            key = (tp.topic, tp.partition)
+            if key in known:  # the checkpoint decides, whatever Kafka's committed offset says
+                tp.offset = self.tracker.low(key)
+        consumer.assign(partitions)
+        log.info("assigned partitions=%s", [(p.topic, p.partition, p.offset) for p in partitions])
+
+    def _on_revoke(self, consumer: Any, partitions: list[Any]) -> None:
+        tps = {(p.topic, p.partition) for p in partitions}
+        dropped = self.buffer.drop_partitions(tps)  # their new owner reads them again
+        for tp in tps:
+            self.tracker.forget(tp)
+        log.info("revoked partitions=%d buffered_groups_released=%d", len(tps), len(dropped))
+
+    # ---- the loop ----------------------------------------------------------------------
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def run(self) -> int:
+        """Train until ``max_steps`` or until stopped; returns the final step."""
+        last_skip_check = 0.0
+        step = int(self.state.step)
+        try:
+            while not self.stop_event.is_set():
+                if self.cfg.max_steps is not None and step >= self.cfg.max_steps:
+                    break
+                t0 = time.perf_counter()
+                for m in self.consumer.consume(256, 0.2):
+                    self._intake(m)
+                for g in self.buffer.expired():
+                    self._drop_group(g, "incomplete_group")
+                for g in self.buffer.overflow():
+                    self._drop_group(g, "buffer_full")
+                if time.monotonic() - last_skip_check > 2.0:
+                    self._skip_stale_ranges()
+                    last_skip_check = time.monotonic()
+                self.wait_s += time.perf_counter() - t0
+                if len(self.ready) >= self.cfg.groups_per_batch:
+                    step = self._train()
+                if self.ledger.dirty and time.monotonic() - self._last_checkpoint > 10.0:
+                    self._checkpoint(announce=False)  # settle drops even when not training
+            if self.ledger.dirty:
+                self._checkpoint(announce=False)
+        finally:
+            self.consumer.close()
+            self.producer.flush(10)
+            self.ckpt.wait_until_finished()
+        return step
+
+    def _intake(self, m: Any) -> None:
+        err = m.error()
+        if err is not None:
+            if err.code() != confluent_kafka.KafkaError._PARTITION_EOF:
+                log.warning("consumer error=%s", err.str())
+            return
+        tp = (m.topic(), m.partition())
+        where = Coordinates(m.topic(), m.partition(), m.offset(), m.timestamp()[1])
+        if self.tracker.is_settled(tp, m.offset()):
+            self.tracker.skip(tp, m.offset())
+            return
+        self.tracker.read(tp, m.offset())
+        env = env_of(m.topic()) or "?"
+        h = TrajectoryHeaders.parse(m.headers())
+        if h.min_version is not None and h.min_version >= 0 and self._stale(h.min_version):
+            return self._drop(None, where, "stale", env)
+        try:
+            t = self.codec.decode(m.value() or b"")
+            if t.tokenizer_id != TOKENIZER_ID:
+                raise RecordDecodeError("tokenizer", f"{t.tokenizer_id} is not {TOKENIZER_ID}")
+        except RecordDecodeError as e:
+            self._deadletter(m, e)
+            return self._drop(None, where, e.reason, env)
+        if t.min_version >= 0 and self._stale(t.min_version):
+            return self._drop(t.trajectory_id, where, "stale", env)
+        if bucket_for(t.num_tokens, self.cfg.buckets) is None:
+            return self._drop(t.trajectory_id, where, "too_long", env)
+        if t.group_size != self.cfg.group_size:
+            return self._drop(t.trajectory_id, where, "group_size", env)
+        group = self.buffer.add(t, where)
+        if group is not None:
+            self.ready.put(group)
+        return None
+
+    def _stale(self, min_version: int) -> bool:
+        return self.version - min_version > self.cfg.max_staleness
+
+    def _drop(self, tid: str | None, w: Coordinates, reason: str, env: str) -> None:
+        self.tracker.settle((w.topic, w.partition), w.offset)
+        self.ledger.drop(tid, w.topic, w.partition, w.offset, reason)
+        self.drops[reason] += 1
+        self.drops_by_env[f"{env}:{reason}"] += 1
+
+    def _drop_group(self, g: Any, reason: str) -> None:
+        for mem in g.members.values():
+            self._drop(mem.trajectory.trajectory_id, mem.where, reason, g.env)
+
+    def _deadletter(self, m: Any, e: RecordDecodeError) -> None:
+        record = {
+            "source_topic": m.topic(),
+            "source_partition": m.partition(),
+            "source_offset": m.offset(),
+            "key": m.key(),
+            "headers": {k: v for k, v in (m.headers() or []) if v is not None},
+            "value": m.value(),
+            "error_class": e.reason,
+            "error_message": e.detail[:2000],
+            "component": self.cfg.trainer_id,
+            "time_ms": int(time.time() * 1000),
+        }
+        while True:
+            try:
+                self.producer.produce(
+                    deadletter_topic(self.cfg.namespace), self.dead_codec.encode(record), m.key()
+                )
+                break
+            except BufferError:
+                self.producer.poll(0.1)
+        self.producer.poll(0)
+        self.deadlettered += 1
+
+    def _skip_stale_ranges(self) -> None:
+        """Seek past ranges produced before version ``version - max_staleness`` was
+        announced: every record there is certainly too stale."""
+        cutoff = self.version - self.cfg.max_staleness
+        ts = self.version_times.get(cutoff)
+        if ts is None:
+            return
+        assignment = self.consumer.assignment()
+        if not assignment:
+            return
+        query = [confluent_kafka.TopicPartition(p.topic, p.partition, ts) for p in assignment]
+        for tp in self.consumer.offsets_for_times(query, timeout=5):
+            key = (tp.topic, tp.partition)
+            start = self.tracker.next(key)
+            end = tp.offset
+            if end < 0:  # nothing at or after ts: everything up to the end is stale
+                _, end = self.consumer.get_watermark_offsets(tp, timeout=5)
+            if end > start + 64:  # only worth a seek for a real range
+                self.tracker.settle_range(key, start, end)
+                self.ledger.drop_range(tp.topic, tp.partition, start, end, "stale_range")
+                self.drops["stale_range"] += end - start
+                self.consumer.seek(confluent_kafka.TopicPartition(tp.topic, tp.partition, end))
+                log.info(
+                    "skipped stale range topic=%s partition=%d from=%d to=%d",
+                    tp.topic,
+                    tp.partition,
+                    start,
+                    end,
+                )
+
+    # ---- a step -------------------------------------------------------------------------
+
+    def _train(self) -> int:
+        t0 = time.perf_counter()
+        groups = self.ready.take(self.cfg.groups_per_batch)
+        batch, members = assemble(groups, self.cfg.rows, self.cfg.buckets)
+        self.state, metrics = self.train_step(self.state, batch)
+        if self.cfg.step_delay_s:
+            time.sleep(self.cfg.step_delay_s)
+        m: dict[str, Any] = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        stale = [self.version - mem.trajectory.min_version for mem in members]
+        for mem in members:
+            w = mem.where
+            self.tracker.settle((w.topic, w.partition), w.offset)
+            self.ledger.train(mem.trajectory.trajectory_id, w.topic, w.partition, w.offset)
+        self.version += 1
+        step = int(self.state.step)
+        rewards: dict[str, list[float]] = {}
+        for mem in members:
+            rewards.setdefault(mem.trajectory.env, []).append(mem.trajectory.reward)
+        m.update(
+            {
+                "step": step,
+                "version": self.version,
+                "time": time.time(),
+                "tokens": int(batch.mask.sum()),
+                "bucket": int(batch.tokens.shape[1]),
+                "staleness_mean": float(np.mean(stale)),
+                "staleness_hist": dict(Counter(int(s) for s in stale)),
+                "reward": {e: float(np.mean(r)) for e, r in rewards.items()},
+                "success": {e: float(np.mean([x > 0 for x in r])) for e, r in rewards.items()},
+                "drops": dict(self.drops),
+                "lag": self._lag(),
+            }
+        )
+        if step % self.cfg.publish_every == 0:
+            self._checkpoint(announce=True, metrics=m)
+        else:
+            self.ledger.close_step(step, self.version)
+        self.busy_s += time.perf_counter() - t0
+        m["busy_share"] = self.busy_s / max(1e-9, self.busy_s + self.wait_s)
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(m) + "\n")
+        if self.on_step:
+            self.on_step(m)
+        return step
+
+    def _lag(self) -> int:
+        total = 0
+        for tp in self.consumer.assignment():
+            try:
+                _, high = self.consumer.get_watermark_offsets(tp, cached=True)
+            except confluent_kafka.KafkaException:
+                continue
+            if high >= 0:
+                total += max(0, high - self.tracker.next((tp.topic, tp.partition)))
+        return total
+
+    def _checkpoint(self, announce: bool, metrics: dict[str, Any] | None = None) -> None:
+        """Ledger line durable, then the checkpoint, then offsets committed, then (if
+        ``announce``) the parameters saved for producers and announced."""
+        step = int(self.state.step)
+        seq = self.ledger.close_step(step, self.version)
+        if announce:
+            self.version_times[self.version] = int(time.time() * 1000)
+        meta = {
+            "seq": seq,
+            "step": step,
+            "version": self.version,
+            "positions": self.tracker.to_json(),
+            "version_times": {
+                str(k): v
+                for k, v in self.version_times.items()
+                if k >= self.version - self.cfg.max_staleness - 1
+            },
+        }
+        self.ckpt.save(
+            seq,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(self.state), meta=ocp.args.JsonSave(meta)
+            ),
+        )
+        self.ckpt.wait_until_finished()  # durable before anything is committed
+        self._last_checkpoint = time.monotonic()
+        offsets = [
+            confluent_kafka.TopicPartition(t, p, self.tracker.low((t, p)))
+            for t, p in self.tracker.partitions()
+        ]
+        if offsets:
+            self.consumer.commit(offsets=offsets, asynchronous=False)
+        if announce:
+            self._announce(step, metrics or {})
+
+    def _announce(self, step: int, m: dict[str, Any]) -> None:
+        path = self.cfg.run_dir / "weights" / f"v{self.version}"
+        if not path.exists():
+            save_params(path, nnx.merge(self.graphdef, self.state.params))
+        metrics = {k: v for k, v in m.items() if isinstance(v, float)}
+        announce(
+            self.producer,
+            self.cfg.namespace,
+            announcement(
+                self.version, step, path, self.cfg.model, TOKENIZER_ID, self.cfg.trainer_id, metrics
+            ),
+        )
+        self._prune_weights()
+
+    def _prune_weights(self) -> None:
+        import shutil
+
+        keep = self.cfg.keep_checkpoints + self.cfg.max_staleness
+        versions = sorted(int(p.name[1:]) for p in (self.cfg.run_dir / "weights").glob("v*"))
+        for v in versions[:-keep]:
+            shutil.rmtree(self.cfg.run_dir / "weights" / f"v{v}", ignore_errors=True)
