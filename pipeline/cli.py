@@ -332,6 +332,7 @@ def trainer_config(args: argparse.Namespace) -> Any:
         "seed",
         "step_delay_s",
         "group_timeout_s",
+        "batch_timeout_s",
     ):
         value = getattr(args, flag)
         if value is not None:
@@ -353,12 +354,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     stop = StopFlag().install()
     start = time.monotonic()
 
+    first_step: list[int] = []
+
     def progress(m: dict[str, Any]) -> None:
+        first_step.append(m["step"])
+        done = m["step"] - first_step[0] + 1
         reward = " ".join(f"{e}={r:.3f}" for e, r in m["reward"].items())
         print(
             f"step={m['step']} version={m['version']} reward[{reward}] loss={m['loss']:.4f} "
             f"staleness={m['staleness_mean']:.2f} lag={m['lag']} "
-            f"steps/s={m['step'] / max(1e-9, time.monotonic() - start):.2f} "
+            f"steps/s={done / max(1e-9, time.monotonic() - start):.2f} "
             f"busy={m['busy_share']:.2f} drops={sum(m['drops'].values())}",
             flush=True,
         )
@@ -525,7 +530,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-staleness", type=int, default=None)
     p.add_argument("--publish-every", type=int, default=None)
     p.add_argument("--max-steps", type=int, default=None)
-    p.add_argument("--group-timeout-s", type=float, default=None)
+    p.add_argument(
+        "--group-timeout-s",
+        type=float,
+        default=None,
+        help="drop a group still incomplete after this long",
+    )
+    p.add_argument(
+        "--batch-timeout-s",
+        type=float,
+        default=None,
+        help="train a partial batch when no full one came for this long",
+    )
     p.add_argument("--seed", type=int, default=None)
     p.add_argument(
         "--step-delay-s",

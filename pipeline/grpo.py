@@ -174,7 +174,7 @@ def make_train_step(graphdef: Any, cfg: GRPOConfig, tx: optax.GradientTransforma
             params, opt_state = carry
             (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, *mb)
             updates, opt_state = tx.update(grads, opt_state, params)
-            metrics["grad_norm"] = optax.global_norm(grads)
+            metrics["grad_norm"] = optax.tree.norm(grads)
             return (optax.apply_updates(params, updates), opt_state), metrics
 
         (params, opt_state), metrics = jax.lax.scan(update, (state.params, state.opt_state), split)

@@ -59,6 +59,7 @@ class TrainerConfig:
     group_size: int = 8
     max_staleness: int = 4
     group_timeout_s: float = 120.0
+    batch_timeout_s: float = 30.0
     buckets: tuple[int, ...] = (64, 128, 256)
     env_weights: Mapping[str, float] = dataclasses.field(default_factory=dict)
     publish_every: int = 1
@@ -113,7 +114,7 @@ class Trainer:
         self.drops_by_env: Counter[str] = Counter()
         self.deadlettered = 0
         self.busy_s = self.wait_s = 0.0
-        self._last_checkpoint = time.monotonic()
+        self._last_checkpoint = self._last_step = time.monotonic()
         self.ckpt = ocp.CheckpointManager(
             (cfg.run_dir / "checkpoints").absolute(),
             options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep_checkpoints, create=True),
@@ -190,7 +191,10 @@ class Trainer:
                     self._skip_stale_ranges()
                     last_skip_check = time.monotonic()
                 self.wait_s += time.perf_counter() - t0
-                if len(self.ready) >= self.cfg.groups_per_batch:
+                if len(self.ready) >= self.cfg.groups_per_batch or (
+                    len(self.ready)
+                    and time.monotonic() - self._last_step > self.cfg.batch_timeout_s
+                ):  # a partial batch (padding rows) rather than waiting forever
                     step = self._train()
                 if self.ledger.dirty and time.monotonic() - self._last_checkpoint > 10.0:
                     self._checkpoint(announce=False)  # settle drops even when not training
@@ -306,6 +310,7 @@ class Trainer:
     # ---- a step -------------------------------------------------------------------------
 
     def _train(self) -> int:
+        self._last_step = time.monotonic()
         t0 = time.perf_counter()
         groups = self.ready.take(self.cfg.groups_per_batch)
         batch, members = assemble(groups, self.cfg.rows, self.cfg.buckets)

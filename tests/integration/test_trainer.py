@@ -1,0 +1,290 @@
+"""The trainer against the real broker: training and its ledger, commits and
+announcements in order, the staleness filter, dead letters, and exactly-once across
+SIGKILLs."""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from confluent_kafka import TopicPartition
+
+from pipeline.checkpoint import digest
+from pipeline.codec import AvroCodec
+from pipeline.grpo import GRPOConfig
+from pipeline.kafka import KafkaConfig
+from pipeline.ledger import read_ledger
+from pipeline.model import ModelConfig
+from pipeline.testing import make_trajectory
+from pipeline.tokenizer import TOKENIZER_ID
+from pipeline.topics import (
+    deadletter_topic,
+    ensure_topics,
+    namespace_topics,
+    rollout_topic,
+    weights_topic,
+)
+from pipeline.trainer import Trainer, TrainerConfig
+from pipeline.transport import Decoded, TrajectoryReader, TrajectoryWriter
+
+pytestmark = pytest.mark.integration
+
+CFG = ModelConfig(d_model=32, num_layers=1, num_heads=2, d_ff=64, max_len=64)
+
+
+def trainer_config(ns: str, run_dir: Path, **kw: object) -> TrainerConfig:
+    base: dict[str, object] = dict(
+        namespace=ns,
+        run_dir=run_dir,
+        groups_per_batch=2,
+        group_size=4,
+        buckets=(64,),
+        model=CFG,
+        grpo=GRPOConfig(warmup_steps=1),
+        max_staleness=2,
+        batch_timeout_s=2.0,
+    )
+    base.update(kw)
+    return TrainerConfig(**base)  # type: ignore[arg-type]
+
+
+def produce_groups(
+    kafka: KafkaConfig, ns: str, groups: int, version: int = 0, seed: int = 0
+) -> list[str]:
+    writer = TrajectoryWriter(kafka, ns)
+    rng = np.random.default_rng(seed)
+    ids = []
+    for g in range(groups):
+        gid = f"g{seed}-{g}-{version}"
+        for i in range(4):
+            t = make_trajectory(
+                40,
+                rng=rng,
+                env="math",
+                group_id=gid,
+                group_size=4,
+                group_index=i,
+                versions=(version,),
+                turns=2,
+                reward=float(rng.random() < 0.5),
+                tokenizer_id=TOKENIZER_ID,
+            )
+            writer.write(t)
+            ids.append(t.trajectory_id)
+    writer.flush()
+    return ids
+
+
+def run_until(trainer: Trainer, cond, timeout: float = 90) -> None:  # type: ignore[no-untyped-def]
+    th = threading.Thread(target=trainer.run, daemon=True)
+    th.start()
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    trainer.stop()
+    th.join(60)
+    assert cond(), "the trainer did not get there in time"
+
+
+def test_trains_commits_and_announces_in_order(
+    kafka: KafkaConfig, namespace: str, tmp_path: Path
+) -> None:
+    ensure_topics(kafka, namespace_topics(namespace, ["math"], 2))
+    ids = produce_groups(kafka, namespace, 6)
+    trainer = Trainer(trainer_config(namespace, tmp_path), kafka)
+    run_until(trainer, lambda: trainer.version >= 3)
+    entries = read_ledger(tmp_path / "ledger.jsonl")
+    trained = [t[0] for e in entries for t in e["trained"]]
+    assert sorted(trained) == sorted(ids)
+    assert [e["step"] for e in entries] == [1, 2, 3]
+    # committed offsets are the checkpoint's positions: everything (24 records) settled
+    consumer = kafka.consumer(f"{namespace}.trainer")
+    committed = consumer.committed(
+        [TopicPartition(rollout_topic(namespace, "math"), p) for p in (0, 1)], timeout=10
+    )
+    consumer.close()
+    assert sum(tp.offset for tp in committed) == 24
+    # the last announcement names a durable checkpoint whose digest matches
+    codec = AvroCodec("WeightsAnnouncement")
+    reader = kafka.consumer(None, **{"enable.partition.eof": True})
+    reader.assign([TopicPartition(weights_topic(namespace), 0, 0)])
+    anns = []
+    while True:
+        m = reader.poll(5)
+        if m is None or m.error() is not None:
+            break
+        anns.append(codec.decode(m.value()))
+    reader.close()
+    assert [a["policy_version"] for a in anns] == [1, 2, 3]
+    last = anns[-1]
+    assert last["digest"] == digest(Path(last["checkpoint_uri"]))
+    metrics = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(metrics) == 3
+
+
+def test_stale_records_are_dropped_before_decoding(
+    kafka: KafkaConfig, namespace: str, tmp_path: Path
+) -> None:
+    ensure_topics(kafka, namespace_topics(namespace, ["math"], 1))
+    produce_groups(kafka, namespace, 6, seed=1)
+    trainer = Trainer(trainer_config(namespace, tmp_path, max_staleness=1), kafka)
+    run_until(trainer, lambda: trainer.version >= 3)
+    stale_ids = produce_groups(kafka, namespace, 2, version=0, seed=2)  # 3 versions old
+    fresh_ids = produce_groups(kafka, namespace, 2, version=3, seed=3)
+    trainer = Trainer(trainer_config(namespace, tmp_path, max_staleness=1), kafka)
+    run_until(trainer, lambda: trainer.version >= 4)
+    entries = read_ledger(tmp_path / "ledger.jsonl")
+    dropped = [d for e in entries for d in e["dropped"]]
+    assert len(dropped) == len(stale_ids) and {d[4] for d in dropped} == {"stale"}
+    assert all(d[0] is None for d in dropped)  # decided from headers, never decoded
+    trained = {t[0] for e in entries for t in e["trained"]}
+    assert set(fresh_ids) <= trained and not set(stale_ids) & trained
+
+
+def test_bad_records_go_to_the_dead_letter_topic(
+    kafka: KafkaConfig, namespace: str, tmp_path: Path
+) -> None:
+    ensure_topics(kafka, namespace_topics(namespace, ["math"], 1))
+    p = kafka.producer()
+    topic = rollout_topic(namespace, "math")
+    poison = [b"garbage", b"\xc3\x01" + b"\x00" * 8 + b"x", b""]
+    for v in poison:
+        p.produce(topic, v, b"k")
+    other = make_trajectory(20, env="math", group_id="z", group_size=4, tokenizer_id="gpt2")
+    from pipeline.codec import TrajectoryCodec
+
+    p.produce(topic, TrajectoryCodec().encode(other), b"z")
+    p.flush()
+    ids = produce_groups(kafka, namespace, 2, seed=4)
+    trainer = Trainer(trainer_config(namespace, tmp_path), kafka)
+    run_until(trainer, lambda: trainer.version >= 1 and trainer.deadlettered >= 4)
+    consumer = kafka.consumer(f"{namespace}.dl")
+    consumer.subscribe([deadletter_topic(namespace)])
+    codec = AvroCodec("DeadLetter")
+    letters = []
+    deadline = time.monotonic() + 30
+    while len(letters) < 4 and time.monotonic() < deadline:
+        m = consumer.poll(0.5)
+        if m is not None and m.error() is None:
+            letters.append(codec.decode(m.value()))
+    consumer.close()
+    assert sorted(d["error_class"] for d in letters) == sorted(
+        ["bad_marker", "unknown_schema", "bad_marker", "tokenizer"]
+    )
+    assert {d["value"] for d in letters} >= {b"garbage"}
+    assert all(d["source_topic"] == topic for d in letters)
+    trained = {t[0] for e in read_ledger(tmp_path / "ledger.jsonl") for t in e["trained"]}
+    assert set(ids) <= trained
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pipeline.cli", *args]
+
+
+@pytest.mark.slow
+def test_sigkilled_trainer_trains_every_trajectory_at_most_once_and_loses_none(
+    bootstrap: str, namespace: str, tmp_path: Path
+) -> None:
+    kafka = KafkaConfig(bootstrap=bootstrap)
+    ensure_topics(kafka, namespace_topics(namespace, ["guess"], 2))
+    common = ["--bootstrap", bootstrap, "--namespace", namespace]
+    producer = subprocess.Popen(
+        _cli(
+            "produce",
+            *common,
+            "--env",
+            "guess",
+            "--concurrency",
+            "16",
+            "--group-size",
+            "4",
+            "--max-episodes",
+            "480",
+            "--max-staleness",
+            "-1",
+            "--max-new-tokens",
+            "4",
+        ),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    train = _cli(
+        "train",
+        *common,
+        "--run-dir",
+        str(tmp_path),
+        "--groups-per-batch",
+        "4",
+        "--group-size",
+        "4",
+        "--publish-every",
+        "1",
+        "--group-timeout-s",
+        "20",
+        "--batch-timeout-s",
+        "3",
+        "--max-staleness",
+        "3",
+    )
+    log = (tmp_path / "trainer.log").open("ab")
+    rng = random.Random(7)
+    kills = 0
+    try:
+        for _ in range(3):
+            trainer = subprocess.Popen(train, stdout=log, stderr=log)
+            time.sleep(rng.uniform(8, 16))
+            trainer.send_signal(signal.SIGKILL)
+            trainer.wait(30)
+            kills += 1
+        assert producer.wait(300) == 0
+        trainer = subprocess.Popen(train, stdout=log, stderr=log)
+        produced = {}
+        reader = TrajectoryReader(kafka, [rollout_topic(namespace, "guess")], f"{namespace}.all")
+        for r in reader.read(480, timeout=120):
+            assert isinstance(r, Decoded)
+            produced[(r.where.topic, r.where.partition, r.where.offset)] = (
+                r.trajectory.trajectory_id
+            )
+        reader.close()
+
+        def accounted() -> dict[tuple[str, int, int], list[str]]:
+            seen: dict[tuple[str, int, int], list[str]] = {}
+            path = tmp_path / "ledger.jsonl"
+            for e in read_ledger(path) if path.exists() else []:
+                for _tid, topic, part, off in e["trained"]:
+                    seen.setdefault((topic, part, off), []).append("trained")
+                for _tid, topic, part, off, reason in e["dropped"]:
+                    offs = range(*off) if isinstance(off, list) else [off]
+                    for o in offs:
+                        seen.setdefault((topic, part, o), []).append(reason)
+            return seen
+
+        deadline = time.monotonic() + 240
+        while set(accounted()) != set(produced) and time.monotonic() < deadline:
+            time.sleep(2)
+        trainer.send_signal(signal.SIGTERM)
+        assert trainer.wait(60) == 0
+    finally:
+        for proc in (producer, trainer):
+            if proc.poll() is None:
+                proc.kill()
+    seen = accounted()
+    missing = set(produced) - set(seen)
+    twice = {k: v for k, v in seen.items() if len(v) > 1}
+    assert kills == 3
+    assert not missing, f"{len(missing)} produced trajectories never trained or dropped"
+    assert not twice, f"trained or dropped more than once: {list(twice.items())[:5]}"
+    assert set(seen) == set(produced)
+    trained = [k for k, v in seen.items() if v == ["trained"]]
+    assert len(trained) > len(produced) // 2
+    # the trained ids really are the produced ones, each once
+    entries = read_ledger(tmp_path / "ledger.jsonl")
+    ids = [t[0] for e in entries for t in e["trained"]]
+    assert len(ids) == len(set(ids)) and set(ids) <= set(produced.values())

@@ -1,0 +1,145 @@
+"""Positions, group buffering, batch assembly and the GRPO step, without a broker."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pipeline.batching import GroupBuffer, GroupQueue, assemble, bucket_for
+from pipeline.grpo import Batch, GRPOConfig, group_advantages, init_state, make_train_step
+from pipeline.model import ModelConfig, init_model, token_logprobs
+from pipeline.positions import PositionTracker
+from pipeline.testing import make_trajectory
+from pipeline.transport import Coordinates
+
+TP = ("ns.rollouts.a", 0)
+
+
+def test_low_waits_for_the_oldest_unsettled_record() -> None:
+    t = PositionTracker()
+    for o in range(10, 16):
+        t.read(TP, o)
+    t.settle(TP, 12)
+    t.settle(TP, 14)
+    assert t.low(TP) == 10
+    t.settle(TP, 10)
+    t.settle(TP, 11)
+    assert t.low(TP) == 13
+    restored = PositionTracker.from_json(t.to_json())
+    assert restored.low(TP) == 13
+    assert restored.is_settled(TP, 14) and not restored.is_settled(TP, 13)
+    assert not restored.is_settled(TP, 15) and restored.is_settled(TP, 12)
+    restored.skip(TP, 14)
+    restored.read(TP, 13)
+    restored.settle(TP, 13)
+    assert restored.low(TP) == 15
+
+
+def test_ranges_settle_without_reading() -> None:
+    t = PositionTracker()
+    t.read(TP, 0)
+    t.settle_range(TP, 1, 1000)
+    assert t.low(TP) == 0 and t.is_settled(TP, 500) and t.next(TP) == 1000
+    t.settle(TP, 0)
+    assert t.low(TP) == 1000
+
+
+def where(o: int) -> Coordinates:
+    return Coordinates(*TP, o, 0)
+
+
+def test_groups_complete_expire_and_overflow() -> None:
+    buf = GroupBuffer(max_records=5, timeout_s=10)
+    ts = [make_trajectory(8, group_id="g", group_size=3, group_index=i) for i in range(3)]
+    assert buf.add(ts[0], where(0)) is None
+    assert buf.add(ts[0], where(1)) is None  # duplicate member ignored
+    assert buf.add(ts[1], where(2)) is None
+    g = buf.add(ts[2], where(3))
+    assert g is not None and g.complete and buf.records == 0
+    for i in range(3):
+        buf.add(make_trajectory(8, group_id=f"h{i}", group_size=2), where(10 + i))
+    assert [len(x.members) for x in buf.expired(now=1e12)] == [1, 1, 1]
+    for i in range(7):
+        buf.add(make_trajectory(8, group_id=f"k{i}", group_size=2), where(20 + i))
+    assert len(buf.overflow()) == 2 and buf.records == 5
+
+
+def test_queue_follows_mixing_weights() -> None:
+    q = GroupQueue({"a": 3.0, "b": 1.0})
+    buf = GroupBuffer(100, 10)
+    for env in ("a", "b"):
+        for i in range(20):
+            g = buf.add(make_trajectory(4, env=env, group_id=f"{env}{i}"), where(i))
+            assert g is not None
+            q.put(g)
+    taken = [g.env for g in q.take(8)]
+    assert taken.count("a") == 6 and taken.count("b") == 2
+
+
+def test_assemble_pads_to_a_bucket_and_normalises_rewards() -> None:
+    buf = GroupBuffer(100, 10)
+    groups = []
+    for gid, rewards in (("x", [1.0, 0.0]), ("y", [0.5, 0.5])):
+        for i, r in enumerate(rewards):
+            g = buf.add(
+                make_trajectory(20 + i, group_id=gid, group_size=2, group_index=i, reward=r),
+                where(i),
+            )
+        groups.append(g)
+    batch, members = assemble(groups, rows=6, buckets=(16, 32, 64))  # type: ignore[arg-type]
+    assert batch.tokens.shape == (6, 32) and len(members) == 4
+    np.testing.assert_allclose(batch.advantage[:4], [1, -1, 0, 0], atol=1e-4)
+    assert batch.valid.tolist() == [1, 1, 1, 1, 0, 0]
+    assert batch.mask[0, :20].tolist() == members[0].trajectory.loss_mask.tolist()
+    assert bucket_for(65, (16, 32, 64)) is None
+
+
+def test_group_advantages_in_jax() -> None:
+    adv = group_advantages(jnp.asarray([1.0, 0.0, 2.0, 2.0]), jnp.asarray([0, 0, 1, 1]), 2, 1e-6)
+    np.testing.assert_allclose(np.asarray(adv), [1, -1, 0, 0], atol=1e-4)
+
+
+CFG = ModelConfig(d_model=32, num_layers=1, num_heads=2, d_ff=64, max_len=64)
+
+
+def _batch(model, rows: int, length: int, seed: int) -> Batch:  # type: ignore[no-untyped-def]
+    rng = np.random.default_rng(seed)
+    tokens = jnp.asarray(rng.integers(0, 256, (rows, length)), jnp.int32)
+    mask = jnp.asarray(np.arange(length)[None] >= length // 2, jnp.float32) * jnp.ones((rows, 1))
+    behaviour = token_logprobs(model, tokens) * mask
+    adv = jnp.asarray(rng.standard_normal(rows), jnp.float32)
+    return Batch(tokens, mask, behaviour, adv, jnp.ones(rows))
+
+
+@pytest.mark.parametrize("correction", ["decoupled", "tis"])
+def test_step_lowers_the_loss_and_never_recompiles(correction: str) -> None:
+    cfg = GRPOConfig(correction=correction, learning_rate=1e-2, warmup_steps=1, minibatches=2)
+    tx = cfg.optimizer()
+    model = init_model(CFG, seed=0)
+    graphdef, state = init_state(model, tx)
+    step = make_train_step(graphdef, cfg, tx)
+    batch = _batch(model, 8, 32, 0)
+    losses = []
+    for i in range(6):
+        state, metrics = step(state, batch if i < 4 else _batch(model, 8, 32, i))
+        losses.append(float(metrics["loss"]))
+    assert losses[3] < losses[0]
+    assert step._cache_size() == 1  # new batches of the same bucket: no recompilation
+    state, _ = step(state, _batch(model, 8, 16, 9))  # another bucket: one more
+    assert step._cache_size() == 2
+    assert int(state.step) == 7
+    assert float(metrics["clip_fraction"]) >= 0 and float(metrics["entropy"]) > 0
+
+
+def test_on_policy_importance_weights_are_one() -> None:
+    cfg = GRPOConfig()
+    tx = cfg.optimizer()
+    model = init_model(CFG, seed=0)
+    graphdef, state = init_state(model, tx)
+    _, metrics = make_train_step(graphdef, cfg, tx)(state, _batch(model, 4, 16, 1))
+    assert abs(float(metrics["is_weight_mean"]) - 1) < 1e-3
+    assert float(metrics["is_truncated_fraction"]) == 0
+    assert abs(float(metrics["kl_ref"])) < 1e-4
+    assert jax.tree.structure(state) is not None
