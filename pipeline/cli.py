@@ -333,6 +333,7 @@ def trainer_config(args: argparse.Namespace) -> Any:
         "step_delay_s",
         "group_timeout_s",
         "batch_timeout_s",
+        "instance",
     ):
         value = getattr(args, flag)
         if value is not None:
@@ -389,13 +390,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from pipeline.bench import codec, rollout, transport, weights
+    from pipeline.bench import codec, rollout, trainer, transport, weights
 
     benches: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
         "codec": codec.run,
         "transport": transport.run,
         "rollout": rollout.run,
         "weights": weights.run,
+        "trainer": trainer.run,
     }
     result = benches[args.which](args)
     print_result(args, result, format_bench(result))
@@ -544,6 +546,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=None)
     p.add_argument(
+        "--instance",
+        default=None,
+        help="this trainer's static group member id (default 0); a restart under the same "
+        "id resumes at once",
+    )
+    p.add_argument(
         "--step-delay-s",
         type=float,
         default=None,
@@ -554,7 +562,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
-    p.add_argument("which", choices=["codec", "transport", "rollout", "weights"])
+    p.add_argument("which", choices=["codec", "transport", "rollout", "weights", "trainer"])
     p.add_argument(
         "--seconds",
         type=float,
@@ -568,6 +576,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--latency-ms", type=float, default=50.0, help="median environment latency (rollout)"
     )
     p.add_argument("--announcements", type=int, default=10, help="checkpoints (weights)")
+    p.add_argument("--steps", type=int, default=20, help="measured train steps (trainer)")
     p.add_argument(
         "--interval", type=float, default=1.5, help="seconds between announcements (weights)"
     )

@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 import uuid
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -69,6 +69,7 @@ class TrainerConfig:
     seed: int = 0
     trainer_id: str = dataclasses.field(default_factory=lambda: f"trainer-{uuid.uuid4().hex[:6]}")
     step_delay_s: float = 0.0
+    instance: str = "0"
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
 
@@ -114,13 +115,24 @@ class Trainer:
         self.drops_by_env: Counter[str] = Counter()
         self.deadlettered = 0
         self.busy_s = self.wait_s = 0.0
+        #: seconds spent per phase: consume, intake (filter, decode), assemble, step,
+        #: checkpoint (ledger, orbax, commit, announcement)
+        self.timers: dict[str, float] = defaultdict(float)
         self._last_checkpoint = self._last_step = time.monotonic()
         self.ckpt = ocp.CheckpointManager(
             (cfg.run_dir / "checkpoints").absolute(),
             options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep_checkpoints, create=True),
         )
         self._restore()
-        self.consumer = kafka.consumer(f"{cfg.namespace}.trainer")
+        # Static membership: a trainer restarted under the same instance id gets its
+        # partitions back at once instead of waiting for the old session to time out.
+        self.consumer = kafka.consumer(
+            f"{cfg.namespace}.trainer",
+            **{
+                "group.instance.id": f"{cfg.namespace}.trainer.{cfg.instance}",
+                "session.timeout.ms": 30000,
+            },
+        )
         pattern = "^" + cfg.namespace.replace("-", "\\-") + ROLLOUTS.replace(".", "\\.") + ".*"
         self.consumer.subscribe([pattern], on_assign=self._on_assign, on_revoke=self._on_revoke)
         self.producer = kafka.producer()
@@ -176,13 +188,20 @@ class Trainer:
         """Train until ``max_steps`` or until stopped; returns the final step."""
         last_skip_check = 0.0
         step = int(self.state.step)
+        self.warm_up()
         try:
             while not self.stop_event.is_set():
                 if self.cfg.max_steps is not None and step >= self.cfg.max_steps:
                     break
                 t0 = time.perf_counter()
-                for m in self.consumer.consume(256, 0.2):
+                # block on Kafka only when there is no batch to train
+                starving = len(self.ready) < self.cfg.groups_per_batch
+                msgs = self.consumer.consume(256, 0.2 if starving else 0)
+                t1 = time.perf_counter()
+                for m in msgs:
                     self._intake(m)
+                self.timers["consume"] += t1 - t0
+                self.timers["intake"] += time.perf_counter() - t1
                 for g in self.buffer.expired():
                     self._drop_group(g, "incomplete_group")
                 for g in self.buffer.overflow():
@@ -205,6 +224,22 @@ class Trainer:
             self.producer.flush(10)
             self.ckpt.wait_until_finished()
         return step
+
+    def warm_up(self) -> None:
+        """Compile the step for every length bucket now, on an all-padding batch (its
+        result is discarded), so that no step compiles once training runs."""
+        from pipeline.grpo import Batch
+
+        for t in sorted(self.cfg.buckets):
+            r = self.cfg.rows
+            empty = Batch(
+                np.zeros((r, t), np.int32),
+                np.zeros((r, t), np.float32),
+                np.zeros((r, t), np.float32),
+                np.zeros(r, np.float32),
+                np.zeros(r, np.float32),
+            )
+            jax.block_until_ready(self.train_step(self.state, empty))
 
     def _intake(self, m: Any) -> None:
         err = m.error()
@@ -314,10 +349,14 @@ class Trainer:
         t0 = time.perf_counter()
         groups = self.ready.take(self.cfg.groups_per_batch)
         batch, members = assemble(groups, self.cfg.rows, self.cfg.buckets)
+        t1 = time.perf_counter()
+        self.timers["assemble"] += t1 - t0
         self.state, metrics = self.train_step(self.state, batch)
+        m: dict[str, Any] = {k: float(v) for k, v in jax.device_get(metrics).items()}
         if self.cfg.step_delay_s:
             time.sleep(self.cfg.step_delay_s)
-        m: dict[str, Any] = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        t2 = time.perf_counter()
+        self.timers["step"] += t2 - t1
         stale = [self.version - mem.trajectory.min_version for mem in members]
         for mem in members:
             w = mem.where
@@ -347,6 +386,7 @@ class Trainer:
             self._checkpoint(announce=True, metrics=m)
         else:
             self.ledger.close_step(step, self.version)
+        self.timers["checkpoint"] += time.perf_counter() - t2
         self.busy_s += time.perf_counter() - t0
         m["busy_share"] = self.busy_s / max(1e-9, self.busy_s + self.wait_s)
         with self.metrics_path.open("a") as f:

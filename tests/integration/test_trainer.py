@@ -288,3 +288,24 @@ def test_sigkilled_trainer_trains_every_trajectory_at_most_once_and_loses_none(
     entries = read_ledger(tmp_path / "ledger.jsonl")
     ids = [t[0] for e in entries for t in e["trained"]]
     assert len(ids) == len(set(ids)) and set(ids) <= set(produced.values())
+
+
+def test_a_certainly_stale_range_is_skipped_with_one_seek(kafka: KafkaConfig, namespace: str,
+                                                          tmp_path: Path) -> None:
+    ensure_topics(kafka, namespace_topics(namespace, ["math"], 1))
+    produce_groups(kafka, namespace, 4, seed=5)
+    trainer = Trainer(trainer_config(namespace, tmp_path, max_staleness=1), kafka)
+    run_until(trainer, lambda: trainer.version >= 2)  # versions 1 and 2 announced
+    backlog = produce_groups(kafka, namespace, 50, version=0, seed=6)  # 200 records
+    time.sleep(1.0)
+    trainer = Trainer(trainer_config(namespace, tmp_path, max_staleness=1), kafka)
+    trainer.version_times[trainer.version - 1] = int(time.time() * 1000)  # announced "now"
+    run_until(trainer, lambda: trainer.drops.get("stale_range", 0) > 0
+              and trainer.tracker.pending_count() == 0, timeout=60)
+    entries = read_ledger(tmp_path / "ledger.jsonl")
+    ranges = [d for e in entries for d in e["dropped"] if d[4] == "stale_range"]
+    assert ranges and all(isinstance(d[3], list) for d in ranges)
+    covered = sum(d[3][1] - d[3][0] for d in ranges)
+    one_by_one = [d for e in entries for d in e["dropped"] if d[4] == "stale"]
+    assert covered + len(one_by_one) == len(backlog)
+    assert covered > len(backlog) // 2
