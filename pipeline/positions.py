@@ -67,6 +67,22 @@ class PositionTracker:
         self._next[tp] = max(self._next.get(tp, 0), offset + 1)
         self._trim(tp)
 
+    def unsettled(self, tp: TP, start: int, end: int) -> list[tuple[int, int]]:
+        """The parts of ``[start, end)`` not settled yet (and not pending)."""
+        out, cur = [], max(start, self.low(tp))
+        for a, b in self._settled.get(tp, []):
+            if b <= cur:
+                continue
+            if a >= end:
+                break
+            if a > cur:
+                out.append((cur, min(a, end)))
+            cur = max(cur, b)
+        if cur < end:
+            out.append((cur, end))
+        pending = self._pending.get(tp, set())
+        return [(a, b) for a, b in out if not any(a <= o < b for o in pending)]
+
     def is_settled(self, tp: TP, offset: int) -> bool:
         if offset < self.low(tp):
             return True

@@ -165,10 +165,12 @@ class Trainer:
 
     def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
         known = set(self.tracker.partitions())
+        stale_until = self._stale_until([p for p in partitions if (p.topic, p.partition) in known])
         for tp in partitions:
             key = (tp.topic, tp.partition)
             if key in known:  # the checkpoint decides, whatever Kafka's committed offset says
-                tp.offset = self.tracker.low(key)
+                low = self.tracker.low(key)
+                tp.offset = self._settle_stale(key, low, stale_until.get(key, low))
         consumer.assign(partitions)
         log.info("assigned partitions=%s", [(p.topic, p.partition, p.offset) for p in partitions])
 
@@ -312,35 +314,40 @@ class Trainer:
         self.producer.poll(0)
         self.deadlettered += 1
 
-    def _skip_stale_ranges(self) -> None:
-        """Seek past ranges produced before version ``version - max_staleness`` was
-        announced: every record there is certainly too stale."""
-        cutoff = self.version - self.cfg.max_staleness
-        ts = self.version_times.get(cutoff)
-        if ts is None:
-            return
-        assignment = self.consumer.assignment()
-        if not assignment:
-            return
-        query = [confluent_kafka.TopicPartition(p.topic, p.partition, ts) for p in assignment]
+    def _stale_until(self, tps: list[Any]) -> dict[tuple[str, int], int]:
+        """Per partition, the first offset that may not be certainly stale: records
+        before it were produced before version ``version - max_staleness`` was announced,
+        so all their tokens are older than that."""
+        ts = self.version_times.get(self.version - self.cfg.max_staleness)
+        if ts is None or not tps:
+            return {}
+        query = [confluent_kafka.TopicPartition(p.topic, p.partition, ts) for p in tps]
+        out = {}
         for tp in self.consumer.offsets_for_times(query, timeout=5):
-            key = (tp.topic, tp.partition)
-            start = self.tracker.next(key)
             end = tp.offset
-            if end < 0:  # nothing at or after ts: everything up to the end is stale
+            if end < 0:  # nothing at or after ts: all of it is stale
                 _, end = self.consumer.get_watermark_offsets(tp, timeout=5)
-            if end > start + 64:  # only worth a seek for a real range
-                self.tracker.settle_range(key, start, end)
-                self.ledger.drop_range(tp.topic, tp.partition, start, end, "stale_range")
-                self.drops["stale_range"] += end - start
-                self.consumer.seek(confluent_kafka.TopicPartition(tp.topic, tp.partition, end))
-                log.info(
-                    "skipped stale range topic=%s partition=%d from=%d to=%d",
-                    tp.topic,
-                    tp.partition,
-                    start,
-                    end,
-                )
+            out[(tp.topic, tp.partition)] = end
+        return out
+
+    def _settle_stale(self, key: tuple[str, int], start: int, end: int) -> int:
+        """Drop the unread, unsettled records of ``[start, end)`` as one range each;
+        returns the offset to read from. Small ranges are left to the header filter."""
+        if end <= start + 64:
+            return start
+        for a, b in self.tracker.unsettled(key, start, end):
+            self.tracker.settle_range(key, a, b)
+            self.ledger.drop_range(key[0], key[1], a, b, "stale_range")
+            self.drops["stale_range"] += b - a
+        log.info("skipped stale range topic=%s partition=%d from=%d to=%d", *key, start, end)
+        return end
+
+    def _skip_stale_ranges(self) -> None:
+        """While running: seek past ranges that became certainly stale."""
+        for key, end in self._stale_until(self.consumer.assignment()).items():
+            start = self.tracker.next(key)
+            if self._settle_stale(key, start, end) != start:
+                self.consumer.seek(confluent_kafka.TopicPartition(*key, end))
 
     # ---- a step -------------------------------------------------------------------------
 

@@ -143,3 +143,15 @@ def test_on_policy_importance_weights_are_one() -> None:
     assert float(metrics["is_truncated_fraction"]) == 0
     assert abs(float(metrics["kl_ref"])) < 1e-4
     assert jax.tree.structure(state) is not None
+
+
+def test_unsettled_parts_of_a_range() -> None:
+    t = PositionTracker()
+    for o in range(0, 10):
+        t.read(TP, o)
+    t.settle_range(TP, 0, 3)
+    t.settle(TP, 5)
+    t.settle_range(TP, 6, 10)
+    restored = PositionTracker.from_json(t.to_json())
+    assert restored.low(TP) == 3
+    assert restored.unsettled(TP, 0, 20) == [(3, 5), (10, 20)]
