@@ -263,6 +263,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_episodes=args.max_episodes,
         grace_s=args.grace_s,
+        stop_sequences=tuple(args.stop),
         checkpoint_roots=tuple(Path(r) for r in args.checkpoint_root),
         limits=EpisodeLimits(max_new_tokens=args.max_new_tokens),
         sampling=SamplingConfig(args.temperature, args.top_p, args.seed),
@@ -478,6 +479,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        help="text that ends a policy turn, besides <eos> and </call> (repeatable)",
+    )
     p.add_argument("--producer-id", default=None)
     p.add_argument(
         "--latency-ms",

@@ -25,8 +25,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class TurnResult:
     """Tokens the policy sampled for one turn, each with its log-probability and the
-    policy version that sampled it. ``stopped`` is the stop token that ended the turn,
-    or None when it ran out of tokens or context."""
+    policy version that sampled it. ``stopped`` is the stop token (or the last token of
+    the stop sequence) that ended the turn, or None when it ran out of tokens or context."""
 
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -49,10 +49,15 @@ class PolicyServer:
     """Owns the decode engine on one thread; ``generate`` is safe from any event loop."""
 
     def __init__(
-        self, engine: DecodeEngine, stop_tokens: set[int], max_wait_s: float = 0.002
+        self,
+        engine: DecodeEngine,
+        stop_tokens: set[int],
+        max_wait_s: float = 0.002,
+        stop_sequences: tuple[tuple[int, ...], ...] = (),
     ) -> None:
         self.engine = engine
         self.stop_tokens = stop_tokens
+        self.stop_sequences = tuple(s for s in stop_sequences if s)
         self.max_wait_s = max_wait_s
         self._inbox: queue.Queue[_Request] = queue.Queue()
         self._swap: tuple[Any, int] | None = None
@@ -125,7 +130,9 @@ class PolicyServer:
                     r.tokens.append(token)
                     r.logprobs.append(logp)
                     r.versions.append(version)
-                    done = token in self.stop_tokens
+                    done = token in self.stop_tokens or any(
+                        tuple(r.tokens[-len(s) :]) == s for s in self.stop_sequences
+                    )
                     if done:
                         r.stopped = token
                     if done or len(r.tokens) >= req.max_new_tokens or self.engine.room(slot) < 1:

@@ -63,6 +63,7 @@ class ProducerConfig:
     seed: int = 0
     max_episodes: int | None = None
     grace_s: float = 5.0
+    stop_sequences: tuple[str, ...] = ()
     checkpoint_roots: tuple[Path, ...] = ()
     limits: EpisodeLimits = field(default_factory=EpisodeLimits)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -124,7 +125,11 @@ class RolloutProducer:
             raise InvalidConfigError("model vocabulary is smaller than the tokenizer's")
         model = init_model(cfg.model, cfg.seed)
         self.engine = DecodeEngine(model, cfg.concurrency, cfg.sampling)
-        self.server = PolicyServer(self.engine, {self.tokenizer.eos, self.tokenizer.end_call})
+        self.server = PolicyServer(
+            self.engine,
+            {self.tokenizer.eos, self.tokenizer.end_call},
+            stop_sequences=tuple(tuple(self.tokenizer.encode(s)) for s in cfg.stop_sequences),
+        )
         self.writer = TrajectoryWriter(kafka, cfg.namespace)
         self.stats = ProducerStats()
         self.stop_event = threading.Event()

@@ -290,8 +290,9 @@ def test_sigkilled_trainer_trains_every_trajectory_at_most_once_and_loses_none(
     assert len(ids) == len(set(ids)) and set(ids) <= set(produced.values())
 
 
-def test_a_certainly_stale_range_is_skipped_with_one_seek(kafka: KafkaConfig, namespace: str,
-                                                          tmp_path: Path) -> None:
+def test_a_certainly_stale_range_is_skipped_with_one_seek(
+    kafka: KafkaConfig, namespace: str, tmp_path: Path
+) -> None:
     ensure_topics(kafka, namespace_topics(namespace, ["math"], 1))
     produce_groups(kafka, namespace, 4, seed=5)
     trainer = Trainer(trainer_config(namespace, tmp_path, max_staleness=1), kafka)
@@ -300,8 +301,11 @@ def test_a_certainly_stale_range_is_skipped_with_one_seek(kafka: KafkaConfig, na
     time.sleep(1.0)
     trainer = Trainer(trainer_config(namespace, tmp_path, max_staleness=1), kafka)
     trainer.version_times[trainer.version - 1] = int(time.time() * 1000)  # announced "now"
-    run_until(trainer, lambda: trainer.drops.get("stale_range", 0) > 0
-              and trainer.tracker.pending_count() == 0, timeout=60)
+    run_until(
+        trainer,
+        lambda: trainer.drops.get("stale_range", 0) > 0 and trainer.tracker.pending_count() == 0,
+        timeout=60,
+    )
     entries = read_ledger(tmp_path / "ledger.jsonl")
     ranges = [d for e in entries for d in e["dropped"] if d[4] == "stale_range"]
     assert ranges and all(isinstance(d[3], list) for d in ranges)
@@ -309,3 +313,44 @@ def test_a_certainly_stale_range_is_skipped_with_one_seek(kafka: KafkaConfig, na
     one_by_one = [d for e in entries for d in e["dropped"] if d[4] == "stale"]
     assert covered + len(one_by_one) == len(backlog)
     assert covered > len(backlog) // 2
+
+
+@pytest.mark.slow
+def test_memory_stays_flat_under_a_flood_of_bad_and_stale_records(
+    kafka: KafkaConfig, namespace: str, tmp_path: Path
+) -> None:
+    import tracemalloc
+
+    ensure_topics(kafka, namespace_topics(namespace, ["math"], 2))
+    produce_groups(kafka, namespace, 4, seed=8)
+    trainer = Trainer(trainer_config(namespace, tmp_path, max_staleness=0), kafka)
+    run_until(trainer, lambda: trainer.version >= 2)
+    # the flood: 4,000 stale trajectories (9 KB each) and 4,000 records of random bytes
+    writer = TrajectoryWriter(kafka, namespace)
+    rng = np.random.default_rng(9)
+    stale = make_trajectory(
+        1000, rng=rng, env="math", group_size=4, versions=(0,), tokenizer_id=TOKENIZER_ID
+    )
+    value, headers = writer.codec.encode(stale), writer.codec.headers(stale)
+    for i in range(4000):
+        writer.write_encoded("math", f"s{i}", value, headers)
+    p = kafka.producer()
+    topic = rollout_topic(namespace, "math")
+    for i in range(4000):
+        p.produce(topic, rng.bytes(9000), f"p{i}".encode())
+        if i % 500 == 0:
+            p.poll(0)
+    writer.flush()
+    p.flush()
+    flood_bytes = 8000 * 9000
+    trainer = Trainer(trainer_config(namespace, tmp_path, max_staleness=0), kafka)
+    tracemalloc.start()
+    base, _ = tracemalloc.get_traced_memory()
+    run_until(trainer, lambda: sum(trainer.drops.values()) >= 8000, timeout=180)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert trainer.deadlettered == 4000
+    assert trainer.drops["stale"] == 4000
+    grown = peak - base
+    print(f"flood={flood_bytes / 1e6:.0f}MB python_peak_growth={grown / 1e6:.1f}MB")
+    assert grown < flood_bytes / 4, f"trainer held {grown / 1e6:.0f} MB of a 72 MB flood"

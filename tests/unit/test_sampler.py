@@ -105,3 +105,26 @@ def test_swapping_in_a_restored_checkpoint_does_not_recompile(tmp_path) -> None:
         engine.append(0, [4, 5])
         assert engine.step([0, 1])[0][2] == 1
     assert (engine._decode._cache_size(), engine._prefill._cache_size()) == compiled
+
+
+def test_stop_sequences_end_a_turn() -> None:
+    import asyncio
+
+    from pipeline.policy_server import PolicyServer
+
+    model = init_model(CFG, seed=0)
+
+    def turn(stops: tuple[tuple[int, ...], ...]) -> list[int]:
+        engine = DecodeEngine(model, slots=1, sampling=SamplingConfig(0.0))
+        server = PolicyServer(engine, set(), stop_sequences=stops).start()
+        try:
+            r = asyncio.run(server.generate(0, [257, 10, 11], 12, reset=True))
+        finally:
+            server.stop()
+        return r.tokens
+
+    free = turn(())
+    assert len(free) == 12
+    stop = tuple(free[2:4])
+    first_end = next(k for k in range(2, 13) if tuple(free[k - 2 : k]) == stop)
+    assert turn((stop,)) == free[:first_end]
