@@ -351,10 +351,25 @@ class Trainer:
 
     # ---- a step -------------------------------------------------------------------------
 
+    def _fresh_groups(self) -> list[Any]:
+        """Up to a batch of ready groups, dropping those that went stale while they
+        waited (the version moved on since they passed the filter)."""
+        groups: list[Any] = []
+        while len(groups) < self.cfg.groups_per_batch and len(self.ready):
+            for g in self.ready.take(self.cfg.groups_per_batch - len(groups)):
+                oldest = min(m.trajectory.min_version for m in g.members.values())
+                if oldest >= 0 and self._stale(oldest):
+                    self._drop_group(g, "stale")
+                else:
+                    groups.append(g)
+        return groups
+
     def _train(self) -> int:
         self._last_step = time.monotonic()
         t0 = time.perf_counter()
-        groups = self.ready.take(self.cfg.groups_per_batch)
+        groups = self._fresh_groups()
+        if not groups:
+            return int(self.state.step)
         batch, members = assemble(groups, self.cfg.rows, self.cfg.buckets)
         t1 = time.perf_counter()
         self.timers["assemble"] += t1 - t0
