@@ -1,10 +1,11 @@
 """Shared fixtures. Integration tests run against a real Apache Kafka: the one named by
-``RLSTREAM_BOOTSTRAP`` (``infra/dev.sh test`` starts it), or else one this session
+``RLSTREAM_BOOTSTRAP`` (``infra/dev.sh test`` starts it), or else one the test run
 starts in a temporary folder and stops at the end."""
 
 from __future__ import annotations
 
 import os
+import random
 import socket
 import uuid
 from collections.abc import Iterator
@@ -16,11 +17,11 @@ from pipeline.kafka import KafkaConfig
 
 
 def free_port_pair() -> int:
-    """A port p such that p and p + 1 are free (client and controller)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1] & ~1
+    """A port p such that p and p + 1 are free (client and controller), below the
+    kernel's ephemeral range so that no client connection takes it before the broker."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000, 2)
         if all(_free(p) for p in (port, port + 1)):
             return port
     raise RuntimeError("no free port pair")

@@ -331,7 +331,7 @@ def test_memory_stays_flat_under_a_flood_of_bad_and_stale_records(
 
     ensure_topics(kafka, namespace_topics(namespace, ["math"], 2))
     produce_groups(kafka, namespace, 4, seed=8)
-    trainer = Trainer(trainer_config(namespace, tmp_path, max_staleness=0), kafka)
+    trainer = Trainer(trainer_config(namespace, tmp_path, max_staleness=5), kafka)
     run_until(trainer, lambda: trainer.version >= 2)
     # the flood: 4,000 stale trajectories (9 KB each) and 4,000 records of random bytes
     writer = TrajectoryWriter(kafka, namespace)
