@@ -107,10 +107,5 @@ def make(name: str, **options: Any) -> Environment:
     return _REGISTRY[name](**options)
 
 
-def names() -> list[str]:
-    _load_builtins()
-    return sorted(_REGISTRY)
-
-
 def _load_builtins() -> None:
     import connectors.builtin  # noqa: F401  (registers on import)

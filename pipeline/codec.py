@@ -89,6 +89,9 @@ class AvroCodec:
         self._store = store or default_store()
         self.schema: Schema = self._store.reader(record)
         self._compiled = CompiledSchema(self.schema.canonical_form, adapters, factories)
+        # plain (dict) codecs of other writer versions and of the reader, compiled once:
+        # only records written with another schema version need them
+        self._plain: dict[bytes, CompiledSchema] = {}
         self._prefix = MARKER + self.schema.fingerprint
 
     @property
@@ -128,7 +131,7 @@ class AvroCodec:
             )
         # Check the body with the writer's own compiled reader first: it bounds every
         # length prefix, which fastavro does not do for arrays and maps.
-        _, end = CompiledSchema(writer.canonical_form).decode(data, HEADER_SIZE)
+        _, end = self._plain_codec(writer).decode(data, HEADER_SIZE)
         if end != len(data):
             raise RecordDecodeError("trailing_bytes", f"{len(data) - end} bytes after the record")
         body = io.BytesIO(data)
@@ -140,7 +143,13 @@ class AvroCodec:
                 "bad_enum" if "symbol" in str(e).lower() else "invalid",
                 f"cannot read {writer.name} into this version: {e}",
             ) from None
-        return CompiledSchema(self.schema.canonical_form).encode(value)
+        return self._plain_codec(self.schema).encode(value)
+
+    def _plain_codec(self, schema: Schema) -> CompiledSchema:
+        codec = self._plain.get(schema.fingerprint)
+        if codec is None:
+            codec = self._plain[schema.fingerprint] = CompiledSchema(schema.canonical_form)
+        return codec
 
 
 def _tensor_fields(d: Any) -> tuple[Any, ...]:

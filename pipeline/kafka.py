@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import confluent_kafka
 from confluent_kafka import admin as kafka_admin
@@ -34,8 +34,6 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 MAX_FETCH_BYTES = 4 * MAX_MESSAGE_BYTES
 
 _SECRET_WORDS = ("password", "secret", "key.pem", "private", "token", "sasl.oauthbearer")
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -197,9 +195,3 @@ def kafka_errors(action: str) -> Iterator[None]:
         yield
     except confluent_kafka.KafkaException as e:
         raise wrap_error(e, action) from e
-
-
-def call(action: str, fn: Callable[[], T]) -> T:
-    """``fn()`` with confluent-kafka errors re-raised as :class:`KafkaClientError`."""
-    with kafka_errors(action):
-        return fn()

@@ -114,7 +114,6 @@ class Trainer:
         self.drops: Counter[str] = Counter()
         self.drops_by_env: Counter[str] = Counter()
         self.deadlettered = 0
-        self.busy_s = self.wait_s = 0.0
         #: seconds spent per phase: consume, intake (filter, decode), assemble, step,
         #: checkpoint (ledger, orbax, commit, announcement)
         self.timers: dict[str, float] = defaultdict(float)
@@ -211,7 +210,6 @@ class Trainer:
                 if time.monotonic() - last_skip_check > 2.0:
                     self._skip_stale_ranges()
                     last_skip_check = time.monotonic()
-                self.wait_s += time.perf_counter() - t0
                 if len(self.ready) >= self.cfg.groups_per_batch or (
                     len(self.ready)
                     and time.monotonic() - self._last_step > self.cfg.batch_timeout_s
@@ -409,8 +407,8 @@ class Trainer:
         else:
             self.ledger.close_step(step, self.version)
         self.timers["checkpoint"] += time.perf_counter() - t2
-        self.busy_s += time.perf_counter() - t0
-        m["busy_share"] = self.busy_s / max(1e-9, self.busy_s + self.wait_s)
+        busy = sum(self.timers[k] for k in ("assemble", "step", "checkpoint"))
+        m["busy_share"] = busy / max(1e-9, sum(self.timers.values()))
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(m) + "\n")
         if self.on_step:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,9 +80,6 @@ class TrajectoryWriter:
             self.failed += 1
             self.last_error = wrap_error(confluent_kafka.KafkaException(err), "delivery")
         log.error("delivery failed topic=%s error=%s", msg.topic(), err.str())
-
-    def poll(self, timeout: float = 0.0) -> None:
-        self._producer.poll(timeout)
 
     def flush(self, timeout: float = 60.0) -> None:
         """Wait until every record is acknowledged; raise if any failed or is still
@@ -170,10 +167,6 @@ class TrajectoryReader:
             return Decoded(where, self.codec.decode(value), len(value))
         except RecordDecodeError as e:
             return Rejected(where, m.key(), value, list(m.headers() or []), e)
-
-    def __iter__(self) -> Iterator[Decoded | Rejected]:
-        while True:
-            yield from self.poll_batch()
 
     def read(self, count: int, timeout: float = 60.0) -> list[Decoded | Rejected]:
         """Exactly ``count`` records, or :class:`KafkaClientError` after ``timeout``."""
