@@ -297,7 +297,10 @@ class LocalBroker:
         path = self.data_dir / "cluster_id"
         if path.exists():
             return path.read_text().strip()
-        cid = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        # Kafka's own ids never start with "-" (it would read as an option); draw again.
+        cid = "-"
+        while cid.startswith("-"):
+            cid = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
         path.write_text(cid)
         return cid
 
@@ -322,8 +325,7 @@ class LocalBroker:
             *self._java_cmd(java, lib, home, node_dir),
             "kafka.tools.StorageTool",
             "format",
-            "--cluster-id",
-            cluster_id,
+            f"--cluster-id={cluster_id}",
             "--config",
             str(props),
             "--ignore-formatted",

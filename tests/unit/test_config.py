@@ -4,6 +4,7 @@ kept out of logs, docker-compose agreeing with the local broker."""
 from __future__ import annotations
 
 import re
+import uuid
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,18 @@ def test_broker_properties_three_nodes() -> None:
     assert props["default.replication.factor"] == "3"
     assert props["min.insync.replicas"] == "2"
     assert broker.config.bootstrap == "127.0.0.1:20000,127.0.0.1:20002,127.0.0.1:20004"
+
+
+def test_cluster_ids_never_read_as_an_option(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 0xfb... encodes to a leading "-" in url-safe base64; the next draw does not.
+    draws = iter([uuid.UUID(bytes=b"\xfb" + bytes(15)), uuid.UUID(int=1)])
+    monkeypatch.setattr(uuid, "uuid4", lambda: next(draws))
+    broker = LocalBroker(BrokerConfig(data_dir=tmp_path, port=20000))
+    cid = broker._cluster_id()
+    assert not cid.startswith("-") and len(cid) == 22
+    assert broker._cluster_id() == cid  # persisted for restarts
 
 
 def test_broker_config_is_validated() -> None:
