@@ -237,10 +237,85 @@ def cmd_topics(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+def cmd_check(args: argparse.Namespace) -> int:
     from pipeline.smoke import run_round_trip
 
     return run_round_trip(args)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from pipeline.run import Run, RunConfig
+
+    cfg = RunConfig(
+        env=args.env,
+        producers=args.producers,
+        concurrency=args.concurrency,
+        steps=args.steps,
+        sync=args.sync,
+        model=args.model,
+        group_size=args.group_size,
+        groups_per_batch=args.groups_per_batch,
+        max_new_tokens=args.max_new_tokens,
+        max_staleness=args.max_staleness,
+        learning_rate=args.learning_rate,
+        latency_ms=args.latency_ms,
+        latency_sigma=args.latency_sigma,
+        partitions=args.partitions,
+        eval_episodes=args.eval_episodes,
+        seed=args.seed,
+        restarts=3 if args.restart_on_failure else 0,
+    )
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    namespace = args.namespace or f"run-{stamp}-{os.getpid() % 10000}"
+    run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / namespace
+    stop = StopFlag().install()
+    with Cluster(args) as kafka:
+        result = Run(cfg, kafka, run_dir, namespace, stop.event).execute()
+    f = result.figures
+    text = (
+        f"run {result.status}: {f['steps']} steps in {f['wall_s']:.0f}s; "
+        f"success on {cfg.eval_episodes} held-out episodes: initial "
+        f"{_pct(f['success_initial'])} -> final {_pct(f['success_final'])}; "
+        f"trained {f['trajectories_trained']} trajectories, dropped as stale "
+        f"{f['trajectories_dropped_stale']}\nreport: {result.report}"
+    )
+    print_result(args, {"status": result.status, "run_dir": str(run_dir), "figures": f}, text)
+    if result.status == "failed":
+        return 1
+    return 130 if result.status == "interrupted" else 0
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from pipeline.checkpoint import restore_params
+    from pipeline.evaluate import evaluate
+    from pipeline.model import PRESETS
+
+    model = PRESETS[args.model]
+    params = restore_params(Path(args.weights), model) if args.weights else None
+    from pipeline.episode import EpisodeLimits
+    from pipeline.sampler import SamplingConfig
+
+    r = evaluate(
+        args.env,
+        model=model,
+        params=params,
+        model_seed=args.model_seed,
+        episodes=args.episodes,
+        seed=args.seed,
+        limits=EpisodeLimits(max_new_tokens=args.max_new_tokens),
+        sampling=SamplingConfig(args.temperature, 1.0, args.seed),
+    )
+    print_result(
+        args,
+        {"figures": r.to_json()},
+        f"{args.weights or 'initial policy'}: success {_pct(r.success)} "
+        f"reward {r.reward_mean:.3f} on {r.episodes} held-out episodes of {args.env}",
+    )
+    return 0
 
 
 def cmd_produce(args: argparse.Namespace) -> int:
@@ -261,6 +336,8 @@ def cmd_produce(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         group_size=args.group_size,
         seed=args.seed,
+        model_seed=args.model_seed,
+        sync_batch=args.sync_batch,
         max_episodes=args.max_episodes,
         grace_s=args.grace_s,
         stop_sequences=tuple(args.stop),
@@ -276,12 +353,31 @@ def cmd_produce(args: argparse.Namespace) -> int:
     stop = StopFlag().install()
     start = time.monotonic()
 
+    status_file = Path(args.status_file) if args.status_file else None
+    if status_file:
+        status_file.parent.mkdir(parents=True, exist_ok=True)
+
     def progress(p: Any) -> None:
         if stop:
             p.stop()
         st = p.stats
         done = sum(st.finished.values())
         rate = done / max(1e-9, time.monotonic() - start)
+        if status_file:
+            status = {
+                "time": time.time(),
+                "producer_id": cfg.producer_id,
+                "episodes": done,
+                "in_flight": st.started - done - st.dropped,
+                "paused": st.paused,
+                "waiting": st.waiting,
+                "lag": st.lag,
+                "version": p.version,
+                "sent": p.writer.sent,
+                "failed": p.writer.failed,
+            }
+            with status_file.open("a") as f:
+                f.write(json.dumps(status) + "\n")
         print(
             f"episodes={done} rate={rate:.1f}/s in_flight={st.started - done - st.dropped} "
             f"paused={'yes' if st.paused else 'no'} lag={st.lag} version={p.version} "
@@ -391,9 +487,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from pipeline.bench import codec, rollout, trainer, transport, weights
+    from pipeline.bench import asyncrl, codec, rollout, trainer, transport, weights
 
     benches: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+        "async": asyncrl.run,
         "codec": codec.run,
         "transport": transport.run,
         "rollout": rollout.run,
@@ -455,8 +552,52 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "run",
-        help="the main job: an end-to-end round trip of trajectories "
-        "through Kafka (starts the local broker unless --bootstrap is given)",
+        help="the main job: the whole pipeline (trainer and producers as separate "
+        "processes) with live progress, held-out evaluation and a report",
+    )
+    p.add_argument(
+        "--namespace",
+        default=env_default("RLSTREAM_NAMESPACE"),
+        help="experiment namespace (env RLSTREAM_NAMESPACE; default: a new one per run)",
+    )
+    p.add_argument("--run-dir", default=None, help="default: runs/<namespace>")
+    p.add_argument("--env", default="guess", help="registered environment name")
+    p.add_argument("--producers", type=int, default=1, help="producer processes")
+    p.add_argument("--concurrency", type=int, default=64, help="episodes in flight per producer")
+    p.add_argument("--steps", type=int, default=120, help="trainer steps")
+    p.add_argument(
+        "--sync",
+        action="store_true",
+        help="the classic loop for comparison: each batch generated by the current policy "
+        "while the trainer waits",
+    )
+    p.add_argument("--model", default="tiny", choices=["tiny", "small", "base"])
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--groups-per-batch", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=4, help="tokens per policy turn")
+    p.add_argument("--max-staleness", type=int, default=2, help="policy versions")
+    p.add_argument("--learning-rate", type=float, default=3e-4)
+    p.add_argument("--latency-ms", type=float, default=0.0, help="simulated env latency median")
+    p.add_argument("--latency-sigma", type=float, default=1.0)
+    p.add_argument("--partitions", type=int, default=4)
+    p.add_argument(
+        "--eval-episodes", type=int, default=200, help="held-out episodes per evaluation"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--restart-on-failure",
+        action="store_true",
+        help="restart a process that fails (up to 3 times) instead of stopping the run",
+    )
+    add_kafka_args(p)
+    add_broker_args(p)
+    add_json_arg(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser(
+        "check",
+        help="an end-to-end round trip of synthetic trajectories through Kafka, each "
+        "checked on arrival",
     )
     add_namespace_arg(p)
     p.add_argument("--trajectories", type=int, default=2000, help="how many to send")
@@ -465,7 +606,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_kafka_args(p)
     add_broker_args(p)
     add_json_arg(p)
-    p.set_defaults(func=cmd_run)
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("eval", help="success of a policy on held-out episodes (no Kafka)")
+    p.add_argument("--env", default="guess")
+    p.add_argument("--weights", default=None, help="a weights/v<N> folder (default: initial)")
+    p.add_argument("--model", default="tiny", choices=["tiny", "small", "base"])
+    p.add_argument("--model-seed", type=int, default=0, help="seed of the initial parameters")
+    p.add_argument("--episodes", type=int, default=200)
+    p.add_argument("--max-new-tokens", type=int, default=4)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    add_json_arg(p)
+    p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("produce", help="run a rollout producer: concurrent episodes into Kafka")
     add_namespace_arg(p)
@@ -486,6 +639,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="text that ends a policy turn, besides <eos> and </call> (repeatable)",
     )
     p.add_argument("--producer-id", default=None)
+    p.add_argument(
+        "--model-seed", type=int, default=0, help="seed of the initial parameters (the trainer's)"
+    )
+    p.add_argument(
+        "--sync-batch",
+        type=int,
+        default=None,
+        help="synchronous mode: episodes per policy version, then wait for the next one",
+    )
+    p.add_argument(
+        "--status-file", default=None, help="append one JSON status line per second here"
+    )
     p.add_argument(
         "--latency-ms",
         type=float,
@@ -569,7 +734,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
-    p.add_argument("which", choices=["codec", "transport", "rollout", "weights", "trainer"])
+    p.add_argument(
+        "which", choices=["codec", "transport", "rollout", "weights", "trainer", "async"]
+    )
     p.add_argument(
         "--seconds",
         type=float,
@@ -580,10 +747,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=4096, help="tokens per trajectory")
     p.add_argument("--records", type=int, default=3000, help="records (transport)")
     p.add_argument(
-        "--latency-ms", type=float, default=50.0, help="median environment latency (rollout)"
+        "--latency-ms",
+        type=float,
+        default=None,
+        help="median environment latency (rollout: 50, async: 200)",
     )
+    p.add_argument(
+        "--latency-sigma", type=float, default=None, help="its log-normal shape (async: 1.5)"
+    )
+    p.add_argument("--concurrency", type=int, default=128, help="episodes in flight (async)")
+    p.add_argument(
+        "--eval-episodes", type=int, default=200, help="held-out episodes per policy (async)"
+    )
+    p.add_argument("--run-dir", default=None, help="runs of the async bench")
     p.add_argument("--announcements", type=int, default=10, help="checkpoints (weights)")
-    p.add_argument("--steps", type=int, default=20, help="measured train steps (trainer)")
+    p.add_argument("--steps", type=int, default=20, help="measured train steps (trainer, async)")
     p.add_argument(
         "--interval", type=float, default=1.5, help="seconds between announcements (weights)"
     )
@@ -601,7 +779,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
         stream=sys.stderr,
     )
-    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-save chatter
+    for chatty in ("absl", "jax._src.xla_bridge", "matplotlib"):  # orbax, backends, fonts
+        logging.getLogger(chatty).setLevel(logging.WARNING)
     try:
         return int(args.func(args))
     except RlstreamError as e:

@@ -127,9 +127,11 @@ def make_train_step(graphdef: Any, cfg: GRPOConfig, tx: optax.GradientTransforma
     """The jitted ``train_step(state, batch) -> (state, metrics)``."""
 
     def loss_fn(
-        params: Any, mb: Batch, prox: jax.Array, ref: jax.Array
+        params: Any, mb: Batch, prox: jax.Array | None, ref: jax.Array | None
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         logp, entropy = _logprobs_and_entropy(graphdef, params, mb.tokens)
+        if prox is None:  # one update per step: the proximal policy is this one
+            prox = jax.lax.stop_gradient(logp)
         mask = mb.mask * mb.valid[:, None]
         adv = mb.advantage[:, None]
         if cfg.correction == "decoupled":
@@ -142,17 +144,18 @@ def make_train_step(graphdef: Any, cfg: GRPOConfig, tx: optax.GradientTransforma
             unclipped = jnp.minimum(ratio, cfg.is_cap) * adv
         clipped = jnp.clip(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high) * adv
         per_token = -weight * jnp.minimum(unclipped, clipped)
-        kl_ref = jnp.exp(ref - logp) - (ref - logp) - 1.0  # k3, >= 0
-        if cfg.kl_coef:
-            per_token = per_token + cfg.kl_coef * kl_ref
-        loss = _aggregate(per_token, mask, cfg.aggregation)
         n = jnp.maximum(jnp.sum(mask), 1.0)
+        metrics = {}
+        if ref is not None:
+            kl_ref = jnp.exp(ref - logp) - (ref - logp) - 1.0  # k3, >= 0
+            per_token = per_token + cfg.kl_coef * kl_ref
+            metrics["kl_ref"] = jnp.sum(kl_ref * mask) / n
+        loss = _aggregate(per_token, mask, cfg.aggregation)
         is_w = jnp.exp(prox - mb.behaviour)
-        metrics = {
+        metrics |= {
             "loss": loss,
             "clip_fraction": jnp.sum((clipped < unclipped) * mask) / n,
             "entropy": jnp.sum(entropy * mask) / n,
-            "kl_ref": jnp.sum(kl_ref * mask) / n,
             "kl_behaviour": jnp.sum((mb.behaviour - prox) * mask) / n,
             "is_weight_mean": jnp.sum(is_w * mask) / n,
             "is_weight_max": jnp.max(jnp.where(mask > 0, is_w, 0.0)),
@@ -162,9 +165,16 @@ def make_train_step(graphdef: Any, cfg: GRPOConfig, tx: optax.GradientTransforma
 
     @jax.jit
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-        prox, _ = _logprobs_and_entropy(graphdef, state.params, batch.tokens)
-        prox = jax.lax.stop_gradient(prox)
-        ref, _ = _logprobs_and_entropy(graphdef, state.reference, batch.tokens)
+        # Forward passes only where they are needed: with one update per step the
+        # proximal log-probabilities are the update's own (computed in the loss), and
+        # the reference policy only matters with a KL term.
+        prox = ref = None
+        if cfg.minibatches > 1:
+            prox = jax.lax.stop_gradient(
+                _logprobs_and_entropy(graphdef, state.params, batch.tokens)[0]
+            )
+        if cfg.kl_coef:
+            ref = _logprobs_and_entropy(graphdef, state.reference, batch.tokens)[0]
         m = cfg.minibatches
         split = jax.tree.map(
             lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), (batch, prox, ref)

@@ -61,6 +61,12 @@ class ProducerConfig:
     group_size: int = 8
     producer_id: str = field(default_factory=lambda: f"producer-{uuid.uuid4().hex[:6]}")
     seed: int = 0
+    #: seed of the initial parameters; the trainer's ``seed``, so that version 0 is the
+    #: same policy on both sides
+    model_seed: int = 0
+    #: synchronous mode: start at most this many episodes per policy version, then wait
+    #: for the next version (the classic generate-then-train loop); None: asynchronous
+    sync_batch: int | None = None
     max_episodes: int | None = None
     grace_s: float = 5.0
     stop_sequences: tuple[str, ...] = ()
@@ -73,6 +79,13 @@ class ProducerConfig:
     def __post_init__(self) -> None:
         if self.concurrency < 1 or self.group_size < 1:
             raise InvalidConfigError("concurrency and group size must be at least 1")
+        if self.sync_batch is not None and (
+            self.sync_batch < self.group_size or self.sync_batch % self.group_size
+        ):
+            raise InvalidConfigError(
+                f"sync batch {self.sync_batch} must be a positive multiple of the group "
+                f"size {self.group_size}"
+            )
 
 
 @dataclass
@@ -83,6 +96,8 @@ class ProducerStats:
     paused: bool = False
     paused_s: float = 0.0
     lag: int = 0
+    #: synchronous mode: waiting for the trainer's next version
+    waiting: bool = False
 
 
 class LagMonitor:
@@ -123,7 +138,7 @@ class RolloutProducer:
         self.tokenizer = ByteTokenizer()
         if cfg.model.vocab_size < self.tokenizer.vocab_size:
             raise InvalidConfigError("model vocabulary is smaller than the tokenizer's")
-        model = init_model(cfg.model, cfg.seed)
+        model = init_model(cfg.model, cfg.model_seed)
         self.engine = DecodeEngine(model, cfg.concurrency, cfg.sampling)
         self.server = PolicyServer(
             self.engine,
@@ -145,6 +160,8 @@ class RolloutProducer:
                 self.server.swap,
             )
         self._rng = random.Random(cfg.seed)
+        self._sync_version = 0
+        self._sync_started = 0
 
     @property
     def version(self) -> int:
@@ -178,9 +195,10 @@ class RolloutProducer:
         while not self.stop_event.is_set():
             if cfg.max_episodes is not None and self.stats.started >= cfg.max_episodes:
                 break
-            if free and not (self.stats.paused and not members):
+            if free and not (members == [] and (self.stats.paused or self._sync_full())):
                 if not members:
                     members = self._new_group()
+                    self._sync_started += len(members)
                 slot = free.pop()
                 task = asyncio.create_task(self._episode(members.pop(0), slot, free))
                 running.add(task)
@@ -193,6 +211,15 @@ class RolloutProducer:
                 self.on_progress(self)
         await self._drain(running)
         admission.cancel()
+
+    def _sync_full(self) -> bool:
+        """Synchronous mode: this version's batch is started; wait for the next one."""
+        if self.cfg.sync_batch is None:
+            return False
+        if self.version != self._sync_version:
+            self._sync_version, self._sync_started = self.version, 0
+        self.stats.waiting = self._sync_started >= self.cfg.sync_batch
+        return self.stats.waiting
 
     async def _drain(self, running: set[asyncio.Task[None]]) -> None:
         if running:

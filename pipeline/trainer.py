@@ -409,6 +409,7 @@ class Trainer:
         self.timers["checkpoint"] += time.perf_counter() - t2
         busy = sum(self.timers[k] for k in ("assemble", "step", "checkpoint"))
         m["busy_share"] = busy / max(1e-9, sum(self.timers.values()))
+        m["busy_s"], m["idle_s"] = busy, sum(self.timers.values()) - busy  # since start
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(m) + "\n")
         if self.on_step:

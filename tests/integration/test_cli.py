@@ -54,9 +54,9 @@ def test_bad_namespace_is_a_clear_error(bootstrap: str) -> None:
     assert "namespace 'a.b'" in result.stderr
 
 
-def test_main_job_round_trip(bootstrap: str, namespace: str) -> None:
+def test_check_round_trip(bootstrap: str, namespace: str) -> None:
     result = rlstream(
-        "run",
+        "check",
         "--bootstrap",
         bootstrap,
         "--namespace",

@@ -133,16 +133,32 @@ def test_step_lowers_the_loss_and_never_recompiles(correction: str) -> None:
     assert float(metrics["clip_fraction"]) >= 0 and float(metrics["entropy"]) > 0
 
 
-def test_on_policy_importance_weights_are_one() -> None:
-    cfg = GRPOConfig()
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_on_policy_importance_weights_are_one(minibatches: int) -> None:
+    cfg = GRPOConfig(kl_coef=0.01, minibatches=minibatches)
     tx = cfg.optimizer()
     model = init_model(CFG, seed=0)
     graphdef, state = init_state(model, tx)
     _, metrics = make_train_step(graphdef, cfg, tx)(state, _batch(model, 4, 16, 1))
     assert abs(float(metrics["is_weight_mean"]) - 1) < 1e-3
     assert float(metrics["is_truncated_fraction"]) == 0
-    assert abs(float(metrics["kl_ref"])) < 1e-4
-    assert jax.tree.structure(state) is not None
+    assert abs(float(metrics["kl_ref"])) < 1e-4  # the first step starts at the reference
+
+
+def test_one_update_per_step_takes_the_proximal_policy_from_its_own_pass() -> None:
+    """With one minibatch the proximal log-probabilities come from the update's own
+    forward pass, so the ratio is exactly 1 and, on-policy, the loss is the
+    mask-weighted mean of ``-advantage``."""
+    model = init_model(CFG, seed=0)
+    batch = _batch(model, 4, 16, 3)
+    cfg = GRPOConfig(minibatches=1)
+    tx = cfg.optimizer()
+    graphdef, state = init_state(model, tx)
+    _, metrics = make_train_step(graphdef, cfg, tx)(state, batch)
+    expected = -float(jnp.sum(batch.advantage[:, None] * batch.mask) / jnp.sum(batch.mask))
+    assert float(metrics["loss"]) == pytest.approx(expected, rel=1e-3, abs=1e-5)
+    assert float(metrics["clip_fraction"]) == 0
+    assert "kl_ref" not in metrics  # no reference pass without a KL term
 
 
 def test_unsettled_parts_of_a_range() -> None:

@@ -1,0 +1,436 @@
+"""``rlstream run``: the whole pipeline on one machine, as separate OS processes.
+
+1. topics of a fresh namespace; the initial policy evaluated on held-out episodes;
+2. one ``rlstream train`` and N ``rlstream produce`` processes (the same code paths as
+   those commands), watched by a :class:`~pipeline.supervisor.Supervisor`, with one live
+   progress line;
+3. when the trainer reaches ``steps`` (or on Ctrl-C/SIGTERM, or when a child fails),
+   every child is stopped, the final policy is evaluated on the same held-out episodes,
+   and ``report.md`` with its plots is written.
+
+``sync=True`` runs the classic loop with the same components: each producer generates its
+share of one batch with the current policy and waits for the next version; the trainer
+trains only on samples of its own version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from pipeline.episode import EpisodeLimits
+from pipeline.errors import InvalidConfigError
+from pipeline.evaluate import EvalResult, evaluate, latest_weights
+from pipeline.kafka import KafkaConfig
+from pipeline.model import PRESETS
+from pipeline.report import (
+    busy_share,
+    last_json,
+    ledger_summary,
+    mean_over_envs,
+    read_jsonl,
+    trainer_metrics,
+    write_report,
+)
+from pipeline.sampler import SamplingConfig
+from pipeline.supervisor import Child, Supervisor
+from pipeline.topics import ensure_topics, namespace_topics
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """What ``rlstream run`` runs. The defaults learn ``guess`` on two CPU cores in a few
+    minutes."""
+
+    env: str = "guess"
+    producers: int = 1
+    concurrency: int = 64
+    steps: int = 120
+    sync: bool = False
+    model: str = "tiny"
+    group_size: int = 8
+    groups_per_batch: int = 8
+    max_new_tokens: int = 4
+    max_staleness: int = 2
+    learning_rate: float = 3e-4
+    temperature: float = 1.0
+    latency_ms: float = 0.0
+    latency_sigma: float = 1.0
+    partitions: int = 4
+    eval_episodes: int = 200
+    seed: int = 0
+    #: restarts allowed per child process that exits with an error (0: stop the run)
+    restarts: int = 0
+
+    def __post_init__(self) -> None:
+        from connectors.base import make
+
+        make(self.env)  # a clear error now for a name that is not registered
+        if self.model not in PRESETS:
+            raise InvalidConfigError(f"model must be one of {sorted(PRESETS)}")
+        if self.producers < 1 or self.steps < 1 or self.concurrency < 1:
+            raise InvalidConfigError("producers, steps and concurrency must be at least 1")
+        if self.eval_episodes < 0 or self.max_staleness < 0:
+            raise InvalidConfigError("eval episodes and max staleness must not be negative")
+        if self.sync and self.rows % (self.producers * self.group_size):
+            raise InvalidConfigError(
+                f"--sync: a batch of {self.rows} trajectories does not split into whole "
+                f"groups of {self.group_size} over {self.producers} producers"
+            )
+
+    @property
+    def rows(self) -> int:
+        return self.groups_per_batch * self.group_size
+
+
+@dataclasses.dataclass
+class RunResult:
+    status: str  # completed | interrupted | failed
+    figures: dict[str, Any]
+    report: Path
+    failure: str = ""
+
+
+def child_environment(kafka: KafkaConfig) -> dict[str, str]:
+    """How children reach the cluster: the same variables a user would set (secrets
+    travel in the environment, never on a command line)."""
+    sec = kafka.security
+    env = {
+        "RLSTREAM_BOOTSTRAP": kafka.bootstrap,
+        "RLSTREAM_SECURITY_PROTOCOL": sec.protocol,
+    }
+    for name, value in (
+        ("RLSTREAM_SASL_MECHANISM", sec.sasl_mechanism),
+        ("RLSTREAM_SASL_USERNAME", sec.username),
+        ("RLSTREAM_SASL_PASSWORD", sec.password),
+        ("RLSTREAM_SSL_CA", sec.ssl_ca_location),
+    ):
+        if value:
+            env[name] = value
+    return env
+
+
+class Run:
+    """One run in ``run_dir`` on namespace ``namespace``; see the module docstring."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        kafka: KafkaConfig,
+        run_dir: Path,
+        namespace: str,
+        stop: threading.Event | None = None,
+        out: TextIO = sys.stdout,
+        live: bool | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.kafka = kafka
+        self.run_dir = run_dir
+        self.namespace = namespace
+        self.stop = stop or threading.Event()
+        self.out = out
+        self.live = out.isatty() if live is None else live
+        self.start_time = time.time()
+        self.display = Display(self, out, self.live)
+
+    # ---- children ----------------------------------------------------------------------
+
+    def config_json(self) -> dict[str, Any]:
+        return {
+            **dataclasses.asdict(self.cfg),
+            "namespace": self.namespace,
+            "run_dir": str(self.run_dir),
+            "bootstrap": self.kafka.bootstrap,
+            "model_config": dataclasses.asdict(PRESETS[self.cfg.model]),
+        }
+
+    def children(self) -> list[Child]:
+        cfg, rd = self.cfg, self.run_dir
+        kafka_flags = [f"--kafka-option={k}={v}" for k, v in self.kafka.extra.items()]
+        env = child_environment(self.kafka)
+        (rd / "trainer.json").write_text(
+            json.dumps({"grpo": {"learning_rate": cfg.learning_rate}}, indent=2)
+        )
+        trainer = Child(
+            "trainer",
+            [
+                "train",
+                f"--namespace={self.namespace}",
+                f"--run-dir={rd}",
+                f"--config={rd / 'trainer.json'}",
+                f"--model={cfg.model}",
+                f"--max-steps={cfg.steps}",
+                f"--groups-per-batch={cfg.groups_per_batch}",
+                f"--group-size={cfg.group_size}",
+                f"--max-staleness={0 if cfg.sync else cfg.max_staleness}",
+                f"--seed={cfg.seed}",
+                *(["--batch-timeout-s=3600"] if cfg.sync else []),
+                *kafka_flags,
+            ],
+            rd / "logs" / "trainer.log",
+            env,
+        )
+        producers = []
+        for i in range(cfg.producers):
+            name = f"producer-{i}"
+            producers.append(
+                Child(
+                    name,
+                    [
+                        "produce",
+                        f"--namespace={self.namespace}",
+                        f"--env={cfg.env}",
+                        f"--producer-id={name}",
+                        f"--model={cfg.model}",
+                        f"--concurrency={cfg.concurrency}",
+                        f"--group-size={cfg.group_size}",
+                        f"--partitions={cfg.partitions}",
+                        f"--max-new-tokens={cfg.max_new_tokens}",
+                        f"--temperature={cfg.temperature}",
+                        f"--seed={cfg.seed + 1 + i}",
+                        f"--model-seed={cfg.seed}",
+                        f"--checkpoint-root={rd}",
+                        f"--status-file={rd / 'producers' / (name + '.jsonl')}",
+                        f"--trainer-batch={cfg.rows}",
+                        f"--latency-ms={cfg.latency_ms}",
+                        f"--latency-sigma={cfg.latency_sigma}",
+                        *(
+                            ["--max-staleness=-1", f"--sync-batch={cfg.rows // cfg.producers}"]
+                            if cfg.sync
+                            else [f"--max-staleness={cfg.max_staleness}"]
+                        ),
+                        *kafka_flags,
+                    ],
+                    rd / "logs" / f"{name}.log",
+                    env,
+                )
+            )
+        return [trainer, *producers]
+
+    # ---- the run -----------------------------------------------------------------------
+
+    def say(self, text: str) -> None:
+        self.display.clear()
+        print(text, file=self.out, flush=True)
+
+    def evaluate(self, which: str) -> EvalResult | None:
+        cfg = self.cfg
+        if cfg.eval_episodes == 0:
+            return None
+        params, version = None, 0
+        if which == "final":
+            found = latest_weights(self.run_dir)
+            if found is not None:
+                from pipeline.checkpoint import restore_params
+
+                version, path = found
+                params = restore_params(path, PRESETS[cfg.model])
+        self.say(
+            f"evaluating the {which} policy (version {version}) on {cfg.eval_episodes} "
+            "held-out episodes ..."
+        )
+        result = evaluate(
+            cfg.env,
+            model=PRESETS[cfg.model],
+            params=params,
+            version=version,
+            model_seed=cfg.seed,
+            episodes=cfg.eval_episodes,
+            seed=cfg.seed,
+            limits=EpisodeLimits(max_new_tokens=cfg.max_new_tokens),
+            sampling=SamplingConfig(cfg.temperature, 1.0, cfg.seed),
+        )
+        self.say(
+            f"  {which}: success {result.success:.3f} reward {result.reward_mean:.3f} "
+            f"({result.seconds:.1f}s)"
+        )
+        return result
+
+    def execute(self) -> RunResult:
+        rd = self.run_dir
+        rd.mkdir(parents=True, exist_ok=True)
+        (rd / "config.json").write_text(json.dumps(self.config_json(), indent=2, sort_keys=True))
+        self.say(f"run directory {rd} namespace {self.namespace}")
+        ensure_topics(
+            self.kafka, namespace_topics(self.namespace, [self.cfg.env], self.cfg.partitions)
+        )
+        evals: dict[str, EvalResult | None] = {"initial": self.evaluate("initial")}
+        children = self.children()
+        supervisor = Supervisor(children)
+        status, failure = "completed", ""
+        launched = time.time()
+        self.say(
+            f"starting 1 trainer and {self.cfg.producers} producer(s) "
+            f"({'synchronous' if self.cfg.sync else 'asynchronous'}), logs in {rd / 'logs'}"
+        )
+        try:
+            supervisor.start()
+            self._write_processes(children)
+            status, failure = self._watch(supervisor)
+        finally:
+            self.display.clear()
+            if any(c.running() for c in children):
+                self.say("stopping every process ...")
+            supervisor.stop()
+            self._write_processes(children)
+        run_s = time.time() - launched
+        evals["final"] = self.evaluate("final")
+        (rd / "eval.json").write_text(
+            json.dumps({k: v.to_json() if v else None for k, v in evals.items()}, indent=2)
+        )
+        figures = self.figures(evals, run_s, children)
+        figures["status"] = status
+        report = write_report(rd, figures, self.config_json(), self.start_time)
+        (rd / "figures.json").write_text(json.dumps(figures, indent=2, sort_keys=True))
+        return RunResult(status, figures, report, failure)
+
+    def _write_processes(self, children: list[Child]) -> None:
+        """``processes.json``: every child's pid, exit status, restarts and log."""
+        rows = [
+            {
+                "name": c.name,
+                "pid": c.pid,
+                "returncode": c.poll(),
+                "restarts": c.restarts,
+                "log": str(c.log_path),
+                "command": ["rlstream", *c.args],
+            }
+            for c in children
+        ]
+        (self.run_dir / "processes.json").write_text(json.dumps(rows, indent=2))
+
+    def _watch(self, supervisor: Supervisor) -> tuple[str, str]:
+        trainer = supervisor.children[0]
+        while True:
+            if self.stop.is_set():
+                return "interrupted", ""
+            if trainer.poll() == 0:
+                return "completed", ""
+            bad = supervisor.failed()
+            if bad is not None:
+                message = (
+                    f"{bad.name} (pid {bad.pid}) exited with status {bad.returncode}; "
+                    f"the end of {bad.log_path}:\n{bad.log_tail()}"
+                )
+                if bad.restarts < self.cfg.restarts:
+                    bad.restarts += 1
+                    self.say(f"{message}\nrestarting {bad.name} ({bad.restarts})")
+                    bad.start()
+                    self._write_processes(supervisor.children)
+                    continue
+                self.say(message)
+                return "failed", message
+            self.display.update(supervisor)
+            self.stop.wait(0.5)
+
+    def figures(
+        self, evals: dict[str, EvalResult | None], run_s: float, children: list[Child]
+    ) -> dict[str, Any]:
+        metrics = trainer_metrics(self.run_dir)
+        ledger = ledger_summary(self.run_dir)
+        produced = 0
+        versions = {}
+        for c in children[1:]:
+            rows = read_jsonl(self.run_dir / "producers" / f"{c.name}.jsonl")
+            if rows:
+                produced += rows[-1]["episodes"]
+                versions[c.name] = rows[-1]["version"]
+        init, final = evals.get("initial"), evals.get("final")
+        stale = [m["staleness_mean"] for m in metrics]
+        return {
+            "success_initial": init.success if init else None,
+            "success_final": final.success if final else None,
+            "success_gain_points": (
+                round(100 * (final.success - init.success), 1) if init and final else None
+            ),
+            "eval_episodes": self.cfg.eval_episodes,
+            "steps": metrics[-1]["step"] if metrics else 0,
+            "wall_s": round(time.time() - self.start_time, 1),
+            "pipeline_wall_s": round(run_s, 1),
+            "trajectories_produced": produced,
+            "trajectories_trained": ledger["trained"],
+            "trajectories_dropped_stale": ledger["dropped_stale"],
+            "dropped": ledger["dropped"],
+            "staleness_mean": round(sum(stale) / len(stale), 3) if stale else None,
+            "trainer_busy": round(busy_share(metrics, first=1), 3) if metrics else None,
+            "final_batch_reward": round(mean_over_envs(metrics[-1]["reward"]), 3)
+            if metrics
+            else None,
+            "producer_versions": versions,
+            "restarts": {c.name: c.restarts for c in children if c.restarts},
+        }
+
+
+class Display:
+    """One progress line: on a terminal rewritten in place twice a second, otherwise
+    printed every ``every_s`` seconds."""
+
+    def __init__(self, run: Run, out: TextIO, live: bool, every_s: float = 10.0) -> None:
+        self.run = run
+        self.out = out
+        self.live = live
+        self.every_s = every_s
+        self._last_print = 0.0
+        self._shown = False
+        self._rates: dict[str, tuple[float, int, float]] = {}
+
+    def clear(self) -> None:
+        if self.live and self._shown:
+            self.out.write("\r\x1b[K")
+            self.out.flush()
+            self._shown = False
+
+    def line(self, children: list[Child]) -> str:
+        rd, cfg = self.run.run_dir, self.run.cfg
+        m = last_json(rd / "metrics.jsonl")
+        elapsed = time.time() - self.run.start_time
+        parts = [f"[{int(elapsed // 60)}m{int(elapsed % 60):02d}s]"]
+        if m is not None:
+            parts += [
+                f"step {m['step']}/{cfg.steps}",
+                f"reward {mean_over_envs(m['reward']):.2f}",
+                f"success {mean_over_envs(m['success']):.2f}",
+                f"staleness {m['staleness_mean']:.1f}",
+                f"lag {m['lag']}",
+                f"busy {m['busy_share']:.2f}",
+            ]
+        else:
+            parts.append("step 0 (compiling, waiting for the first batch)")
+        total_rate, versions = 0.0, []
+        for c in children[1:]:
+            r = last_json(rd / "producers" / f"{c.name}.jsonl")
+            if r is None:
+                versions.append(f"{c.name}=starting")
+                continue
+            t0, n0, rate = self._rates.get(c.name, (r["time"], r["episodes"], 0.0))
+            if r["time"] - t0 >= 2.0:
+                rate = (r["episodes"] - n0) / (r["time"] - t0)
+                t0, n0 = r["time"], r["episodes"]
+            self._rates[c.name] = (t0, n0, rate)
+            total_rate += rate
+            state = " waiting" if r.get("waiting") else " paused" if r.get("paused") else ""
+            versions.append(f"{c.name}=v{r['version']}{state}")
+        parts += [f"{total_rate:.0f} traj/s", "versions " + " ".join(versions)]
+        return " | ".join(parts)
+
+    def update(self, supervisor: Supervisor) -> None:
+        now = time.monotonic()
+        if not self.live and now - self._last_print < self.every_s:
+            return
+        self._last_print = now
+        text = self.line(supervisor.children)
+        if self.live:
+            self.out.write("\r\x1b[K" + text[: os.get_terminal_size(self.out.fileno()).columns - 1])
+            self._shown = True
+        else:
+            self.out.write(text + "\n")
+        self.out.flush()

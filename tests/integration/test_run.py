@@ -1,0 +1,220 @@
+"""``rlstream run`` against the real broker: separate processes, report, interruption,
+a child's failure."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from pipeline.ledger import read_ledger
+from tests.integration.test_cli import last_json
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+SHORT = [
+    "--groups-per-batch=2",
+    "--group-size=4",
+    "--concurrency=16",
+    "--eval-episodes=16",
+    "--partitions=2",
+]
+
+
+def run_args(bootstrap: str, run_dir: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "pipeline.cli",
+        "run",
+        f"--bootstrap={bootstrap}",
+        f"--run-dir={run_dir}",
+        "--json",
+        *SHORT,
+        *extra,
+    ]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie has exited; only a parent that has not reaped it keeps it
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split(") ")[-1][:1] != "Z"
+
+
+def processes_of(run_dir: Path) -> list[int]:
+    """Every process on the machine whose command line names the run directory."""
+    found = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit() or int(p.name) == os.getpid():
+            continue
+        try:
+            cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(run_dir) in cmd and alive(int(p.name)):
+            found.append(int(p.name))
+    return found
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def test_a_short_run_trains_reports_and_leaves_nothing_running(
+    bootstrap: str, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [*run_args(bootstrap, run_dir), "--steps=3", "--producers=2"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = last_json(proc.stdout)
+    figures = out["figures"]
+    assert out["status"] == "completed"
+
+    # every process started, and none is left
+    children = json.loads((run_dir / "processes.json").read_text())
+    assert [c["name"] for c in children] == ["trainer", "producer-0", "producer-1"]
+    for c in children:
+        assert c["returncode"] == 0, c
+        assert not alive(c["pid"])
+        assert Path(c["log"]).stat().st_size > 0
+    assert processes_of(run_dir) == []
+
+    # the figures agree with the trainer's metrics and the ledger
+    metrics = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert figures["steps"] == 3
+    ledger = read_ledger(run_dir / "ledger.jsonl")
+    trained = sum(len(e["trained"]) for e in ledger)
+    assert figures["trajectories_trained"] == trained
+    assert 0 < trained <= 3 * 8
+    stale = sum(
+        (d[3][1] - d[3][0] if isinstance(d[3], list) else 1)
+        for e in ledger
+        for d in e["dropped"]
+        if d[4] in ("stale", "stale_range")
+    )
+    assert figures["trajectories_dropped_stale"] == stale
+    for key in ("success_initial", "success_final", "steps", "wall_s"):
+        assert figures[key] is not None
+    assert 0.0 <= figures["success_initial"] <= 1.0
+    evals = json.loads((run_dir / "eval.json").read_text())
+    assert evals["initial"]["episodes"] == evals["final"]["episodes"] == 16
+    assert evals["final"]["version"] == 3  # the last announced weights were evaluated
+    produced = sum(
+        json.loads((run_dir / "producers" / f"producer-{i}.jsonl").read_text().splitlines()[-1])[
+            "episodes"
+        ]
+        for i in range(2)
+    )
+    assert figures["trajectories_produced"] == produced >= trained
+
+    # the report states the same numbers and its plots are PNG files
+    report = (run_dir / "report.md").read_text()
+    assert f"| `trajectories_trained` | {trained} |" in report
+    assert "| `steps` | 3 |" in report
+    for name in ("learning", "staleness", "trainer_busy", "lag", "versions"):
+        png = run_dir / "plots" / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"plots/{name}.png" in report
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["steps"] == 3 and config["producers"] == 2
+    assert "learning_rate" in config and config["sync"] is False
+
+
+def test_ctrl_c_mid_run_stops_every_process_and_still_reports(
+    bootstrap: str, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [*run_args(bootstrap, run_dir), "--steps=1000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 2, 300, "steps")
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr[-3000:]
+    out = last_json(stdout)
+    assert out["status"] == "interrupted"
+    assert 2 <= out["figures"]["steps"] < 1000
+    children = json.loads((run_dir / "processes.json").read_text())
+    for c in children:
+        assert c["returncode"] == 0, c  # stopped cleanly on SIGTERM, not killed
+        assert not alive(c["pid"])
+    assert processes_of(run_dir) == []
+    report = (run_dir / "report.md").read_text()
+    assert "| `status` | interrupted |" in report
+    assert (run_dir / "plots" / "learning.png").exists()
+
+
+def test_a_dead_child_stops_the_run_with_its_status_and_log(bootstrap: str, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [*run_args(bootstrap, run_dir), "--steps=1000", "--eval-episodes=0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        status = run_dir / "producers" / "producer-0.jsonl"
+        wait_for(status.exists, 300, "the producer to run")
+        children = json.loads((run_dir / "processes.json").read_text())
+        producer = next(c for c in children if c["name"] == "producer-0")
+        os.kill(producer["pid"], signal.SIGKILL)
+        stdout, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1
+    assert "producer-0" in stdout and "exited with status -9" in stdout
+    assert "producer.log" in stdout  # where its log is; its last lines follow
+    out = last_json(stdout)
+    assert out["status"] == "failed"
+    assert processes_of(run_dir) == []
+    assert "| `status` | failed |" in (run_dir / "report.md").read_text()
+
+
+def test_bad_run_settings_fail_before_anything_starts(tmp_path: Path) -> None:
+    for flags, message in (
+        (["--env=nosuch"], "unknown environment 'nosuch'"),
+        (["--sync", "--producers=3"], "does not split into whole groups"),
+    ):
+        proc = subprocess.run(
+            [*run_args("127.0.0.1:1", tmp_path / "run"), *flags],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=120,
+        )
+        assert proc.returncode == 2
+        assert message in proc.stderr
+        assert not (tmp_path / "run").exists()
