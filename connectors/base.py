@@ -13,9 +13,10 @@ Failures are per episode: an exception or a timeout ends that episode with statu
 from __future__ import annotations
 
 import abc
+import json
 import math
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,7 +105,25 @@ def make(name: str, **options: Any) -> Environment:
         raise InvalidConfigError(
             f"unknown environment {name!r}: registered are {', '.join(sorted(_REGISTRY))}"
         )
-    return _REGISTRY[name](**options)
+    try:
+        return _REGISTRY[name](**options)
+    except TypeError as e:
+        raise InvalidConfigError(f"environment {name!r}: bad options {options}: {e}") from None
+
+
+def parse_options(items: Sequence[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` strings (as given to ``--env-option``) as constructor options; a
+    VALUE that parses as JSON is taken as such (numbers, booleans, lists)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise InvalidConfigError(f"environment option {item!r} is not KEY=VALUE")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
 
 
 def _load_builtins() -> None:

@@ -102,6 +102,17 @@ def add_broker_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_env_option_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--env-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment constructor option, VALUE read as JSON if it parses "
+        "(e.g. high=4, max_turns=6; repeatable)",
+    )
+
+
 def kafka_config(args: argparse.Namespace, bootstrap: str | None = None) -> KafkaConfig:
     extra = {}
     for item in args.kafka_option:
@@ -248,6 +259,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     cfg = RunConfig(
         env=args.env,
+        env_options=tuple(args.env_option),
         producers=args.producers,
         concurrency=args.concurrency,
         steps=args.steps,
@@ -290,6 +302,7 @@ def _pct(x: float | None) -> str:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from connectors.base import parse_options
     from pipeline.checkpoint import restore_params
     from pipeline.evaluate import evaluate
     from pipeline.model import PRESETS
@@ -301,6 +314,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     r = evaluate(
         args.env,
+        env_options=parse_options(args.env_option),
         model=model,
         params=params,
         model_seed=args.model_seed,
@@ -319,14 +333,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_produce(args: argparse.Namespace) -> int:
-    from connectors.base import LatencyModel
+    from connectors.base import LatencyModel, parse_options
     from pipeline.episode import EpisodeLimits
     from pipeline.model import PRESETS
     from pipeline.producer import AdmissionConfig, ProducerConfig, RolloutProducer
     from pipeline.sampler import SamplingConfig
     from pipeline.topics import ensure_topics, namespace_topics
 
-    options: dict[str, Any] = {}
+    options = parse_options(args.env_option)
     if args.latency_ms > 0:
         options["latency"] = LatencyModel(args.latency_ms / 1000, args.latency_sigma)
     cfg = ProducerConfig(
@@ -393,6 +407,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
 
     threading.Thread(target=stop_on_signal, daemon=True).start()
     stats = producer.run()
+    progress(producer)  # the final counts
     result = {
         "producer_id": cfg.producer_id,
         "figures": {
@@ -562,9 +577,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--run-dir", default=None, help="default: runs/<namespace>")
     p.add_argument("--env", default="guess", help="registered environment name")
+    add_env_option_arg(p)
     p.add_argument("--producers", type=int, default=1, help="producer processes")
-    p.add_argument("--concurrency", type=int, default=64, help="episodes in flight per producer")
-    p.add_argument("--steps", type=int, default=120, help="trainer steps")
+    p.add_argument("--concurrency", type=int, default=128, help="episodes in flight per producer")
+    p.add_argument("--steps", type=int, default=200, help="trainer steps")
     p.add_argument(
         "--sync",
         action="store_true",
@@ -576,7 +592,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--groups-per-batch", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=4, help="tokens per policy turn")
     p.add_argument("--max-staleness", type=int, default=2, help="policy versions")
-    p.add_argument("--learning-rate", type=float, default=3e-4)
+    p.add_argument("--learning-rate", type=float, default=1e-3)
     p.add_argument("--latency-ms", type=float, default=0.0, help="simulated env latency median")
     p.add_argument("--latency-sigma", type=float, default=1.0)
     p.add_argument("--partitions", type=int, default=4)
@@ -610,6 +626,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="success of a policy on held-out episodes (no Kafka)")
     p.add_argument("--env", default="guess")
+    add_env_option_arg(p)
     p.add_argument("--weights", default=None, help="a weights/v<N> folder (default: initial)")
     p.add_argument("--model", default="tiny", choices=["tiny", "small", "base"])
     p.add_argument("--model-seed", type=int, default=0, help="seed of the initial parameters")
@@ -623,6 +640,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("produce", help="run a rollout producer: concurrent episodes into Kafka")
     add_namespace_arg(p)
     p.add_argument("--env", required=True, help="registered environment name (guess, calc)")
+    add_env_option_arg(p)
     p.add_argument("--concurrency", type=int, default=64, help="episodes in flight")
     p.add_argument("--group-size", type=int, default=8, help="GRPO group size G")
     p.add_argument("--partitions", type=int, default=4, help="partitions if the topic is new")
@@ -750,16 +768,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--latency-ms",
         type=float,
         default=None,
-        help="median environment latency (rollout: 50, async: 200)",
+        help="median environment latency (rollout, async: 50)",
     )
     p.add_argument(
-        "--latency-sigma", type=float, default=None, help="its log-normal shape (async: 1.5)"
+        "--latency-sigma",
+        type=float,
+        default=None,
+        help="its log-normal shape (rollout: 1, async: 2)",
     )
-    p.add_argument("--concurrency", type=int, default=128, help="episodes in flight (async)")
+    p.add_argument("--concurrency", type=int, default=256, help="episodes in flight (async)")
     p.add_argument(
         "--eval-episodes", type=int, default=200, help="held-out episodes per policy (async)"
     )
     p.add_argument("--run-dir", default=None, help="runs of the async bench")
+    p.add_argument(
+        "--max-staleness",
+        type=int,
+        default=8,
+        help="policy versions (async): with a heavy tail, a group waits for its slowest "
+        "episode and is that much older when it is trained",
+    )
     p.add_argument("--announcements", type=int, default=10, help="checkpoints (weights)")
     p.add_argument("--steps", type=int, default=20, help="measured train steps (trainer, async)")
     p.add_argument(

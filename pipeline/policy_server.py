@@ -158,6 +158,8 @@ class PolicyServer:
                 self._admit(self._inbox.get(timeout=0.1), active)
                 break
             except queue.Empty:
+                if self._swap is not None:  # idle: take new weights now, not at next work
+                    return
                 continue
         deadline = time.monotonic() + self.max_wait_s
         while (left := deadline - time.monotonic()) > 0:

@@ -99,7 +99,11 @@ class PositionTracker:
     def next(self, tp: TP) -> int:
         return self._next.get(tp, 0)
 
-    def pending_count(self) -> int:
+    def pending_count(self, tp: TP | None = None) -> int:
+        """Records read but not settled yet (waiting in groups or batches), of ``tp`` or
+        of every partition."""
+        if tp is not None:
+            return len(self._pending.get(tp, ()))
         return sum(len(p) for p in self._pending.values())
 
     def _trim(self, tp: TP) -> None:

@@ -41,13 +41,14 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class AdmissionConfig:
-    """Hold back new episodes while the trainer group ``<ns>.trainer`` is more than
-    ``max_staleness`` steps of ``trainer_batch`` trajectories behind. A negative
-    ``max_staleness`` turns admission control off."""
+    """Hold back new episodes while the records not yet read by the trainer group
+    ``<ns>.trainer`` plus this producer's episodes in flight exceed ``max_staleness``
+    steps of ``trainer_batch`` trajectories: more would be too stale when trained. A
+    negative ``max_staleness`` turns admission control off."""
 
     max_staleness: int = 4
     trainer_batch: int = 64
-    poll_s: float = 1.0
+    poll_s: float = 0.25
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,8 @@ class LagMonitor:
         for tp in committed:
             low, high = self.consumer.get_watermark_offsets(tp, timeout=10)
             start = tp.offset if tp.offset >= 0 else low
+            if tp.metadata and tp.metadata.isdigit():  # the trainer's read position
+                start = max(start, int(tp.metadata))
             total += max(0, high - start)
         return total
 
@@ -195,7 +198,7 @@ class RolloutProducer:
         while not self.stop_event.is_set():
             if cfg.max_episodes is not None and self.stats.started >= cfg.max_episodes:
                 break
-            if free and not (members == [] and (self.stats.paused or self._sync_full())):
+            if free and not (members == [] and (not self._admit() or self._sync_full())):
                 if not members:
                     members = self._new_group()
                     self._sync_started += len(members)
@@ -211,6 +214,29 @@ class RolloutProducer:
                 self.on_progress(self)
         await self._drain(running)
         admission.cancel()
+
+    def _admit(self) -> bool:
+        """Admission control: may a new group start now? Records the trainer has not read
+        (polled) plus episodes in flight (exact) stay within the staleness budget."""
+        adm = self.cfg.admission
+        if adm.max_staleness < 0:
+            return True
+        st = self.stats
+        in_flight = st.started - sum(st.finished.values()) - st.dropped
+        outstanding = st.lag + in_flight
+        # (one group may always start when nothing is outstanding)
+        paused = outstanding > 0 and (
+            outstanding + self.cfg.group_size > adm.max_staleness * adm.trainer_batch
+        )
+        if paused != st.paused:
+            log.debug(
+                "admission %s lag=%d in_flight=%d",
+                "paused" if paused else "resumed",
+                st.lag,
+                in_flight,
+            )
+        st.paused = paused
+        return not paused
 
     def _sync_full(self) -> bool:
         """Synchronous mode: this version's batch is started; wait for the next one."""
@@ -268,13 +294,11 @@ class RolloutProducer:
         )
         try:
             while True:
-                lag = await asyncio.to_thread(monitor.lag)
-                self.stats.lag = lag
-                paused = lag > adm.max_staleness * adm.trainer_batch
-                if paused != self.stats.paused:
-                    log.info("admission %s lag=%d", "paused" if paused else "resumed", lag)
-                self.stats.paused = paused
-                if paused:
+                try:
+                    self.stats.lag = await asyncio.to_thread(monitor.lag)
+                except confluent_kafka.KafkaException as e:  # e.g. coordinator loading
+                    log.warning("lag unknown, keeping the last value: %s", e)
+                if self.stats.paused:
                     self.stats.paused_s += adm.poll_s
                 await asyncio.sleep(adm.poll_s)
         except asyncio.CancelledError:

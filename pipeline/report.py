@@ -86,6 +86,15 @@ def mean_over_envs(values: dict[str, float]) -> float:
     return sum(values.values()) / len(values) if values else math.nan
 
 
+def moving_mean(values: list[float], window: int = 10) -> list[float]:
+    """Mean of the last ``window`` values at each point (NaNs left out)."""
+    out = []
+    for i in range(len(values)):
+        part = [v for v in values[max(0, i - window + 1) : i + 1] if not math.isnan(v)]
+        out.append(sum(part) / len(part) if part else math.nan)
+    return out
+
+
 def busy_series(metrics: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
     """Trainer busy share between consecutive steps, against time (s since first step)."""
     xs, ys = [], []
@@ -135,13 +144,11 @@ def plots(run_dir: Path, start_time: float) -> list[tuple[str, str]]:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, xs, xlabel in ((axes[0], steps, "trainer step"), (axes[1], minutes, "minutes")):
         for env in envs:
-            ax.plot(xs, [m["reward"].get(env, math.nan) for m in metrics], label=f"reward {env}")
-            ax.plot(
-                xs,
-                [m["success"].get(env, math.nan) for m in metrics],
-                "--",
-                label=f"success {env}",
-            )
+            reward = [m["reward"].get(env, math.nan) for m in metrics]
+            success = [m["success"].get(env, math.nan) for m in metrics]
+            ax.plot(xs, reward, alpha=0.3, lw=0.8, label=f"reward {env}")
+            ax.plot(xs, moving_mean(reward), lw=1.5, label=f"reward {env}, 10-step mean")
+            ax.plot(xs, moving_mean(success), "--", lw=1.5, label=f"success {env}, 10-step mean")
         ax.set_xlabel(xlabel)
         ax.set_ylim(-0.05, 1.05)
         ax.grid(alpha=0.3)

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from connectors.base import make, parse_options
 from pipeline.episode import EpisodeLimits
 from pipeline.errors import InvalidConfigError
 from pipeline.evaluate import EvalResult, evaluate, latest_weights
@@ -52,16 +53,18 @@ class RunConfig:
     minutes."""
 
     env: str = "guess"
+    #: ``KEY=VALUE`` options of the environment (as ``--env-option``)
+    env_options: tuple[str, ...] = ()
     producers: int = 1
-    concurrency: int = 64
-    steps: int = 120
+    concurrency: int = 128
+    steps: int = 200
     sync: bool = False
     model: str = "tiny"
     group_size: int = 8
     groups_per_batch: int = 8
     max_new_tokens: int = 4
     max_staleness: int = 2
-    learning_rate: float = 3e-4
+    learning_rate: float = 1e-3
     temperature: float = 1.0
     latency_ms: float = 0.0
     latency_sigma: float = 1.0
@@ -72,9 +75,7 @@ class RunConfig:
     restarts: int = 0
 
     def __post_init__(self) -> None:
-        from connectors.base import make
-
-        make(self.env)  # a clear error now for a name that is not registered
+        make(self.env, **parse_options(self.env_options))  # a clear error now, not in a child
         if self.model not in PRESETS:
             raise InvalidConfigError(f"model must be one of {sorted(PRESETS)}")
         if self.producers < 1 or self.steps < 1 or self.concurrency < 1:
@@ -189,6 +190,7 @@ class Run:
                         "produce",
                         f"--namespace={self.namespace}",
                         f"--env={cfg.env}",
+                        *(f"--env-option={o}" for o in cfg.env_options),
                         f"--producer-id={name}",
                         f"--model={cfg.model}",
                         f"--concurrency={cfg.concurrency}",
@@ -240,6 +242,7 @@ class Run:
         )
         result = evaluate(
             cfg.env,
+            env_options=parse_options(cfg.env_options),
             model=PRESETS[cfg.model],
             params=params,
             version=version,

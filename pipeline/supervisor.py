@@ -49,6 +49,7 @@ class Child:
                 stdin=subprocess.DEVNULL,
                 env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
                 start_new_session=True,
+                preexec_fn=_stop_with_parent,
             )
         self.started_at = time.monotonic()
         self.returncode = None
@@ -79,6 +80,16 @@ class Child:
         except OSError:
             return ""
         return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def _stop_with_parent() -> None:
+    """In the child before exec: on Linux, get SIGTERM when the supervisor dies, even by
+    SIGKILL, so that no child outlives it."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 class Supervisor:

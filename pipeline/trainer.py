@@ -417,6 +417,7 @@ class Trainer:
         return step
 
     def _lag(self) -> int:
+        """Records of the assigned partitions not trained or dropped yet."""
         total = 0
         for tp in self.consumer.assignment():
             try:
@@ -424,7 +425,7 @@ class Trainer:
             except confluent_kafka.KafkaException:
                 continue
             if high >= 0:
-                total += max(0, high - self.tracker.next((tp.topic, tp.partition)))
+                total += max(0, high - self._progress((tp.topic, tp.partition)))
         return total
 
     def _checkpoint(self, announce: bool, metrics: dict[str, Any] | None = None) -> None:
@@ -453,14 +454,24 @@ class Trainer:
         )
         self.ckpt.wait_until_finished()  # durable before anything is committed
         self._last_checkpoint = time.monotonic()
+        # The committed offset is where a restart resumes (the lowest unsettled record).
+        # Its metadata is the trainer's progress for producers' admission control: how
+        # far it has read, less the records it read that still wait for training, so
+        # that ``high - progress`` counts every record not yet trained or dropped (the
+        # committed offset alone would also count the settled records above it).
         offsets = [
-            confluent_kafka.TopicPartition(t, p, self.tracker.low((t, p)))
+            confluent_kafka.TopicPartition(
+                t, p, self.tracker.low((t, p)), str(self._progress((t, p)))
+            )
             for t, p in self.tracker.partitions()
         ]
         if offsets:
             self.consumer.commit(offsets=offsets, asynchronous=False)
         if announce:
             self._announce(step, metrics or {})
+
+    def _progress(self, tp: tuple[str, int]) -> int:
+        return self.tracker.next(tp) - self.tracker.pending_count(tp)
 
     def _announce(self, step: int, m: dict[str, Any]) -> None:
         path = self.cfg.run_dir / "weights" / f"v{self.version}"

@@ -12,13 +12,12 @@ trained on the same number of samples.
 from __future__ import annotations
 
 import argparse
-import math
 import time
 from pathlib import Path
 from typing import Any
 
 from pipeline.cli import Cluster, StopFlag
-from pipeline.report import busy_share, mean_over_envs, trainer_metrics
+from pipeline.report import busy_share, mean_over_envs, moving_mean, trainer_metrics
 from pipeline.run import Run, RunConfig
 
 MODES = ("async", "sync")
@@ -27,8 +26,8 @@ MODES = ("async", "sync")
 def run(args: argparse.Namespace) -> dict[str, Any]:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     base = Path(args.run_dir or f"runs/bench-async-{stamp}")
-    latency_ms = 200.0 if args.latency_ms is None else args.latency_ms
-    sigma = 1.5 if args.latency_sigma is None else args.latency_sigma
+    latency_ms = 50.0 if args.latency_ms is None else args.latency_ms
+    sigma = 2.0 if args.latency_sigma is None else args.latency_sigma
     stop = StopFlag().install()
     walls, busy, success, curves = {}, {}, {}, {}
     with Cluster(args) as kafka:
@@ -37,6 +36,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 steps=args.steps,
                 sync=mode == "sync",
                 concurrency=args.concurrency,
+                max_staleness=args.max_staleness,
                 latency_ms=latency_ms,
                 latency_sigma=sigma,
                 eval_episodes=args.eval_episodes,
@@ -100,12 +100,7 @@ def _plot(curves: dict[str, list[dict[str, Any]]], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for mode, metrics in curves.items():
         t0 = metrics[0]["time"]
-        success = [mean_over_envs(m["success"]) for m in metrics]
-        smooth = [
-            sum(x for x in success[max(0, i - 4) : i + 1] if not math.isnan(x))
-            / len(success[max(0, i - 4) : i + 1])
-            for i in range(len(success))
-        ]
+        smooth = moving_mean([mean_over_envs(m["success"]) for m in metrics], 5)
         axes[0].plot([m["time"] - t0 for m in metrics], smooth, label=mode)
         axes[1].plot([m["step"] for m in metrics], smooth, label=mode)
     axes[0].set_xlabel("seconds since the first trainer step")

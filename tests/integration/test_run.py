@@ -142,6 +142,31 @@ def test_a_short_run_trains_reports_and_leaves_nothing_running(
     assert "learning_rate" in config and config["sync"] is False
 
 
+def test_sync_mode_trains_each_batch_on_the_current_policy_only(
+    bootstrap: str, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [*run_args(bootstrap, run_dir), "--steps=3", "--sync", "--eval-episodes=0"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    metrics = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for m in metrics:
+        assert m["staleness_hist"] == {"0": 8}  # a full batch, all of the trainer's version
+    ledger = read_ledger(run_dir / "ledger.jsonl")
+    assert sum(len(e["trained"]) for e in ledger) == 3 * 8
+    # the producer generated exactly one batch per version, then waited
+    status = json.loads((run_dir / "producers" / "producer-0.jsonl").read_text().splitlines()[-1])
+    assert 3 * 8 <= status["episodes"] <= 4 * 8  # (the 4th may have started before the stop)
+    assert status["in_flight"] == 0
+    assert "| `status` | completed |" in (run_dir / "report.md").read_text()
+
+
 def test_ctrl_c_mid_run_stops_every_process_and_still_reports(
     bootstrap: str, tmp_path: Path
 ) -> None:
@@ -218,3 +243,20 @@ def test_bad_run_settings_fail_before_anything_starts(tmp_path: Path) -> None:
         assert proc.returncode == 2
         assert message in proc.stderr
         assert not (tmp_path / "run").exists()
+
+
+def test_children_stop_when_the_run_itself_is_killed(bootstrap: str, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [*run_args(bootstrap, run_dir), "--steps=1000", "--eval-episodes=0"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=ROOT,
+    )
+    try:
+        wait_for((run_dir / "producers" / "producer-0.jsonl").exists, 300, "the producer")
+        assert len(processes_of(run_dir)) >= 3  # run, trainer, producer
+    finally:
+        proc.kill()
+        proc.wait(30)
+    wait_for(lambda: processes_of(run_dir) == [], 90, "the children to stop")

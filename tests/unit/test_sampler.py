@@ -128,3 +128,24 @@ def test_stop_sequences_end_a_turn() -> None:
     stop = tuple(free[2:4])
     first_end = next(k for k in range(2, 13) if tuple(free[k - 2 : k]) == stop)
     assert turn((stop,)) == free[:first_end]
+
+
+def test_an_idle_policy_server_takes_new_weights_at_once() -> None:
+    """A synchronous producer waits for the next version with nothing to generate: the
+    swap must not wait for the next request, or it would wait forever."""
+    import time
+
+    from flax import nnx
+
+    from pipeline.policy_server import PolicyServer
+
+    engine = DecodeEngine(init_model(CFG, seed=0), slots=1, sampling=SamplingConfig(0.0))
+    server = PolicyServer(engine, set()).start()
+    try:
+        server.swap(nnx.split(init_model(CFG, seed=1))[1], 3)
+        deadline = time.monotonic() + 10
+        while server.version != 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.version == 3
+    finally:
+        server.stop()
