@@ -377,7 +377,13 @@ class Trainer:
             time.sleep(self.cfg.step_delay_s)
         t2 = time.perf_counter()
         self.timers["step"] += t2 - t1
-        stale = [self.version - mem.trajectory.min_version for mem in members]
+        # (a trajectory without policy tokens, e.g. an environment that timed out on
+        # reset, has no version and no staleness)
+        stale = [
+            self.version - mem.trajectory.min_version
+            for mem in members
+            if mem.trajectory.min_version >= 0
+        ]
         for mem in members:
             w = mem.where
             self.tracker.settle((w.topic, w.partition), w.offset)
@@ -394,7 +400,7 @@ class Trainer:
                 "time": time.time(),
                 "tokens": int(batch.mask.sum()),
                 "bucket": int(batch.tokens.shape[1]),
-                "staleness_mean": float(np.mean(stale)),
+                "staleness_mean": float(np.mean(stale)) if stale else 0.0,
                 "staleness_hist": dict(Counter(int(s) for s in stale)),
                 "reward": {e: float(np.mean(r)) for e, r in rewards.items()},
                 "success": {e: float(np.mean([x > 0 for x in r])) for e, r in rewards.items()},
