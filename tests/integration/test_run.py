@@ -221,7 +221,7 @@ def test_a_dead_child_stops_the_run_with_its_status_and_log(bootstrap: str, tmp_
             proc.kill()
     assert proc.returncode == 1
     assert "producer-0" in stdout and "exited with status -9" in stdout
-    assert "producer.log" in stdout  # where its log is; its last lines follow
+    assert "producer-0.log" in stdout  # where its log is; its last lines follow
     out = last_json(stdout)
     assert out["status"] == "failed"
     assert processes_of(run_dir) == []
