@@ -203,6 +203,13 @@ class TrajectoryCodec:
             raise RecordDecodeError(*violation)
         return t
 
+    def from_avro_dict(self, d: Mapping[str, Any]) -> Trajectory:
+        """The inverse of :func:`to_avro_dict`: a trajectory from the plain Avro value
+        other Avro libraries (e.g. a container file reader) produce; checked like a
+        decoded record."""
+        body = self._avro._plain_codec(self._avro.schema).encode(d)
+        return self.decode(MARKER + self.fingerprint + body)
+
     def headers(self, t: Trajectory) -> list[tuple[str, bytes]]:
         """Kafka headers that let a consumer filter without decoding the value."""
         return trajectory_headers(t, self.fingerprint)

@@ -22,6 +22,7 @@ from fastavro.schema import parse_schema, to_parsing_canonical_form
 SCHEMA_FILES = (
     "Tensor",
     "Trajectory",
+    "RecordedTrajectory",
     "WeightsAnnouncement",
     "DeadLetter",
     "Telemetry",

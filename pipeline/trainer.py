@@ -91,9 +91,14 @@ class Trainer:
     def __init__(
         self,
         cfg: TrainerConfig,
-        kafka: KafkaConfig,
+        kafka: KafkaConfig | None,
         on_step: Callable[[dict[str, Any]], None] | None = None,
+        source: Any = None,
     ) -> None:
+        """``source``: train from a recording (:class:`pipeline.replay.RecordingSource`)
+        instead of Kafka; then nothing is committed, dead-lettered or announced (the
+        ledger still says what was dropped, and weights are still saved), no clock
+        decides anything, and the run ends when the recording does."""
         self.cfg = cfg
         self.kafka = kafka
         self.on_step = on_step
@@ -123,6 +128,14 @@ class Trainer:
             options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep_checkpoints, create=True),
         )
         self._restore()
+        self.source = source
+        if source is not None:
+            self.consumer = source
+            self.consumer.subscribe([], on_assign=self._on_assign, on_revoke=self._on_revoke)
+            self.producer: Any = None
+            return
+        if kafka is None:
+            raise InvalidConfigError("a trainer needs a Kafka cluster or a recording")
         # Static membership: a trainer restarted under the same instance id gets its
         # partitions back at once instead of waiting for the old session to time out.
         self.consumer = kafka.consumer(
@@ -194,6 +207,11 @@ class Trainer:
             while not self.stop_event.is_set():
                 if self.cfg.max_steps is not None and step >= self.cfg.max_steps:
                     break
+                if self.source is not None and self.source.exhausted:
+                    if len(self.ready):  # the recording's last, partial batch
+                        step = self._train()
+                        continue
+                    break
                 t0 = time.perf_counter()
                 # block on Kafka only when there is no batch to train
                 starving = len(self.ready) < self.cfg.groups_per_batch
@@ -203,7 +221,7 @@ class Trainer:
                     self._intake(m)
                 self.timers["consume"] += t1 - t0
                 self.timers["intake"] += time.perf_counter() - t1
-                for g in self.buffer.expired():
+                for g in self.buffer.expired() if self.source is None else ():
                     self._drop_group(g, "incomplete_group")
                 for g in self.buffer.overflow():
                     self._drop_group(g, "buffer_full")
@@ -212,6 +230,7 @@ class Trainer:
                     last_skip_check = time.monotonic()
                 if len(self.ready) >= self.cfg.groups_per_batch or (
                     len(self.ready)
+                    and self.source is None
                     and time.monotonic() - self._last_step > self.cfg.batch_timeout_s
                 ):  # a partial batch (padding rows) rather than waiting forever
                     step = self._train()
@@ -221,7 +240,8 @@ class Trainer:
                 self._checkpoint(announce=False)
         finally:
             self.consumer.close()
-            self.producer.flush(10)
+            if self.producer is not None:
+                self.producer.flush(10)
             self.ckpt.wait_until_finished()
         return step
 
@@ -301,6 +321,9 @@ class Trainer:
             "component": self.cfg.trainer_id,
             "time_ms": int(time.time() * 1000),
         }
+        self.deadlettered += 1
+        if self.producer is None:  # training from a recording: the ledger has it
+            return
         while True:
             try:
                 self.producer.produce(
@@ -310,14 +333,13 @@ class Trainer:
             except BufferError:
                 self.producer.poll(0.1)
         self.producer.poll(0)
-        self.deadlettered += 1
 
     def _stale_until(self, tps: list[Any]) -> dict[tuple[str, int], int]:
         """Per partition, the first offset that may not be certainly stale: records
         before it were produced before version ``version - max_staleness`` was announced,
         so all their tokens are older than that."""
         ts = self.version_times.get(self.version - self.cfg.max_staleness)
-        if ts is None or not tps:
+        if ts is None or not tps or self.source is not None:  # (a recording has no clock)
             return {}
         query = [confluent_kafka.TopicPartition(p.topic, p.partition, ts) for p in tps]
         out = {}
@@ -484,6 +506,11 @@ class Trainer:
         if not path.exists():
             save_params(path, nnx.merge(self.graphdef, self.state.params))
         metrics = {k: v for k, v in m.items() if isinstance(v, float)}
+        if self.producer is not None:
+            self._announce_weights(path, step, metrics)
+        self._prune_weights()
+
+    def _announce_weights(self, path: Path, step: int, metrics: dict[str, float]) -> None:
         announce(
             self.producer,
             self.cfg.namespace,
@@ -491,7 +518,6 @@ class Trainer:
                 self.version, step, path, self.cfg.model, TOKENIZER_ID, self.cfg.trainer_id, metrics
             ),
         )
-        self._prune_weights()
 
     def _prune_weights(self) -> None:
         import shutil
