@@ -923,13 +923,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--latency-ms",
         type=float,
         default=None,
-        help="median environment latency (rollout, async: 50)",
+        help="median environment latency (rollout: 50, async: 100)",
     )
     p.add_argument(
         "--latency-sigma",
         type=float,
         default=None,
-        help="its log-normal shape (rollout: 1, async: 2)",
+        help="its log-normal shape (rollout: 1, async: 1.5)",
     )
     p.add_argument("--concurrency", type=int, default=256, help="episodes in flight (async)")
     p.add_argument(
@@ -939,12 +939,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-staleness",
         type=int,
-        default=8,
-        help="policy versions (async): with a heavy tail, a group waits for its slowest "
+        default=None,
+        help="policy versions (async: 4); with a heavy tail, a group waits for its slowest "
         "episode and is that much older when it is trained",
     )
     p.add_argument("--announcements", type=int, default=10, help="checkpoints (weights)")
-    p.add_argument("--steps", type=int, default=20, help="measured train steps (trainer, async)")
+    p.add_argument(
+        "--steps", type=int, default=None, help="measured train steps (trainer: 20, async: 30)"
+    )
     p.add_argument(
         "--interval", type=float, default=1.5, help="seconds between announcements (weights)"
     )

@@ -26,17 +26,17 @@ MODES = ("async", "sync")
 def run(args: argparse.Namespace) -> dict[str, Any]:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     base = Path(args.run_dir or f"runs/bench-async-{stamp}")
-    latency_ms = 50.0 if args.latency_ms is None else args.latency_ms
-    sigma = 2.0 if args.latency_sigma is None else args.latency_sigma
+    latency_ms = 100.0 if args.latency_ms is None else args.latency_ms
+    sigma = 1.5 if args.latency_sigma is None else args.latency_sigma
     stop = StopFlag().install()
     walls, busy, success, curves = {}, {}, {}, {}
     with Cluster(args) as kafka:
         for mode in MODES:
             cfg = RunConfig(
-                steps=args.steps,
+                steps=args.steps or 30,
                 sync=mode == "sync",
                 concurrency=args.concurrency,
-                max_staleness=args.max_staleness,
+                max_staleness=4 if args.max_staleness is None else args.max_staleness,
                 latency_ms=latency_ms,
                 latency_sigma=sigma,
                 eval_episodes=args.eval_episodes,

@@ -25,7 +25,7 @@ WARMUP_STEPS = 3
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    steps = args.steps
+    steps = args.steps or 20
     with Cluster(args) as kafka, tempfile.TemporaryDirectory() as tmp:
         ns = f"benchtrainer{uuid.uuid4().hex[:8]}"
         ensure_topics(kafka, namespace_topics(ns, ["guess"], 4))
