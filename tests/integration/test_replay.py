@@ -176,6 +176,22 @@ def test_training_from_a_recording_twice_gives_identical_parameters(
         trained = [x[0] for e in ledger for x in e["trained"]]
         assert sorted(trained) == sorted(ids)
         results.append((trained, restore_params(tmp_path / run / "weights" / "v6", CFG)))
+    # the ledger answers "what did step 2 train on?", with the recording rendered by it
+    shown = cli("replay", "inspect", "--ledger", str(tmp_path / "a"), "--step", "2", "--json")
+    assert shown.returncode == 0, shown.stderr
+    step2 = json.loads(shown.stdout.splitlines()[-1])
+    ledger_a = [json.loads(x) for x in (tmp_path / "a" / "ledger.jsonl").read_text().splitlines()]
+    assert [x[0] for x in step2["trained"]] == [
+        x[0] for e in ledger_a if e["step"] == 2 for x in e["trained"]
+    ]
+    assert len(step2["trained"]) == 8
+    fates = cli("replay", "inspect", str(path), "--ledger", str(tmp_path / "a"), "--json")
+    by_id = {
+        r.get("trajectory_id"): r["ledger"]
+        for r in json.loads(fates.stdout.splitlines()[-1])["records"]
+    }
+    assert by_id[step2["trained"][0][0]].startswith("trained at step 2 (trainer version 1")
+    assert by_id[None].startswith("dropped at step")  # the poison record, and why
     (trained_a, params_a), (trained_b, params_b) = results
     assert trained_a == trained_b  # the same order
     leaves_a, leaves_b = jax.tree.leaves(params_a), jax.tree.leaves(params_b)
