@@ -303,25 +303,19 @@ def _pct(x: float | None) -> str:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from connectors.base import parse_options
-    from pipeline.checkpoint import restore_params
-    from pipeline.evaluate import evaluate
+    from pipeline.evaluate import evaluate_weights
     from pipeline.model import PRESETS
 
-    model = PRESETS[args.model]
-    params = restore_params(Path(args.weights), model) if args.weights else None
-    from pipeline.episode import EpisodeLimits
-    from pipeline.sampler import SamplingConfig
-
-    r = evaluate(
+    r = evaluate_weights(
         args.env,
         env_options=parse_options(args.env_option),
-        model=model,
-        params=params,
+        model=PRESETS[args.model],
+        weights=Path(args.weights) if args.weights else None,
         model_seed=args.model_seed,
         episodes=args.episodes,
         seed=args.seed,
-        limits=EpisodeLimits(max_new_tokens=args.max_new_tokens),
-        sampling=SamplingConfig(args.temperature, 1.0, args.seed),
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
     )
     print_result(
         args,

@@ -113,6 +113,38 @@ def evaluate(
     )
 
 
+def evaluate_weights(
+    env: str,
+    *,
+    model: ModelConfig,
+    weights: Path | None,
+    version: int = 0,
+    model_seed: int = 0,
+    episodes: int = 200,
+    seed: int = 0,
+    max_new_tokens: int = 8,
+    temperature: float = 1.0,
+    env_options: Mapping[str, Any] | None = None,
+) -> EvalResult:
+    """:func:`evaluate` of the parameters a trainer saved at ``weights`` (a
+    ``weights/v<N>`` folder), or of the initial parameters of ``model_seed`` when None,
+    sampled as producers sample them."""
+    from pipeline.checkpoint import restore_params
+
+    return evaluate(
+        env,
+        env_options=env_options,
+        model=model,
+        params=restore_params(weights, model) if weights is not None else None,
+        version=version,
+        model_seed=model_seed,
+        episodes=episodes,
+        seed=seed,
+        limits=EpisodeLimits(max_new_tokens=max_new_tokens),
+        sampling=SamplingConfig(temperature, 1.0, seed),
+    )
+
+
 def latest_weights(run_dir: Path) -> tuple[int, Path] | None:
     """The newest ``weights/v<N>`` a trainer saved under ``run_dir``."""
     found = []

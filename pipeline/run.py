@@ -26,9 +26,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from connectors.base import make, parse_options
-from pipeline.episode import EpisodeLimits
 from pipeline.errors import InvalidConfigError
-from pipeline.evaluate import EvalResult, evaluate, latest_weights
+from pipeline.evaluate import EvalResult, evaluate_weights, latest_weights
 from pipeline.kafka import KafkaConfig
 from pipeline.model import PRESETS
 from pipeline.report import (
@@ -40,7 +39,6 @@ from pipeline.report import (
     trainer_metrics,
     write_report,
 )
-from pipeline.sampler import SamplingConfig
 from pipeline.supervisor import Child, Supervisor
 from pipeline.topics import ensure_topics, namespace_topics
 
@@ -228,29 +226,23 @@ class Run:
         cfg = self.cfg
         if cfg.eval_episodes == 0:
             return None
-        params, version = None, 0
-        if which == "final":
-            found = latest_weights(self.run_dir)
-            if found is not None:
-                from pipeline.checkpoint import restore_params
-
-                version, path = found
-                params = restore_params(path, PRESETS[cfg.model])
+        found = latest_weights(self.run_dir) if which == "final" else None
+        version, weights = found if found is not None else (0, None)
         self.say(
             f"evaluating the {which} policy (version {version}) on {cfg.eval_episodes} "
             "held-out episodes ..."
         )
-        result = evaluate(
+        result = evaluate_weights(
             cfg.env,
             env_options=parse_options(cfg.env_options),
             model=PRESETS[cfg.model],
-            params=params,
+            weights=weights,
             version=version,
             model_seed=cfg.seed,
             episodes=cfg.eval_episodes,
             seed=cfg.seed,
-            limits=EpisodeLimits(max_new_tokens=cfg.max_new_tokens),
-            sampling=SamplingConfig(cfg.temperature, 1.0, cfg.seed),
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
         )
         self.say(
             f"  {which}: success {result.success:.3f} reward {result.reward_mean:.3f} "
