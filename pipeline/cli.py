@@ -463,7 +463,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         from pipeline.replay import RecordingSource
 
         source = RecordingSource(Path(args.from_file))
-        print(f"training from {args.from_file}: {len(source.records)} records", flush=True)
+        print(f"training from {args.from_file}: {len(source)} records", flush=True)
     stop = StopFlag().install()
     start = time.monotonic()
 

@@ -207,8 +207,12 @@ class TrajectoryCodec:
         """The inverse of :func:`to_avro_dict`: a trajectory from the plain Avro value
         other Avro libraries (e.g. a container file reader) produce; checked like a
         decoded record."""
-        body = self._avro._plain_codec(self._avro.schema).encode(d)
-        return self.decode(MARKER + self.fingerprint + body)
+        return self.decode(self.encode_avro_dict(d))
+
+    def encode_avro_dict(self, d: Mapping[str, Any]) -> bytes:
+        """Single-object bytes of a trajectory given as its plain Avro value (not checked:
+        :meth:`decode` checks them)."""
+        return MARKER + self.fingerprint + self._avro._plain_codec(self._avro.schema).encode(d)
 
     def headers(self, t: Trajectory) -> list[tuple[str, bytes]]:
         """Kafka headers that let a consumer filter without decoding the value."""

@@ -220,6 +220,12 @@ def read_recording(path: Path) -> Iterator[Recorded]:
     """The records of a recording, in file order. A damaged file yields the records
     before the damage, then raises :class:`RecordingError` naming the block."""
     codec = TrajectoryCodec()
+    for row in _rows(path):
+        yield _from_dict(row, codec)
+
+
+def _rows(path: Path) -> Iterator[dict[str, Any]]:
+    """The plain Avro values of a recording, block by block (see :func:`read_recording`)."""
     try:
         f = path.open("rb")
     except OSError as e:
@@ -242,8 +248,7 @@ def read_recording(path: Path) -> Iterator[Recorded]:
                     f"{path}: block {index} (from byte {at}) is damaged or truncated: "
                     f"{type(e).__name__}: {e}"
                 ) from None
-            for row in rows:
-                yield _from_dict(row, codec)  # type: ignore[arg-type]
+            yield from rows  # type: ignore[misc]
             index += 1
 
 
@@ -324,54 +329,65 @@ def play(
 class _Message:
     """A recorded record as a ``confluent_kafka.Message`` looks to the trainer."""
 
-    __slots__ = ("_r", "_value")
+    __slots__ = ("_row", "_value")
 
-    def __init__(self, r: Recorded, value: bytes) -> None:
-        self._r, self._value = r, value
+    def __init__(self, row: dict[str, Any], value: bytes) -> None:
+        self._row, self._value = row, value
 
     def error(self) -> None:
         return None
 
     def topic(self) -> str:
-        return self._r.topic
+        return str(self._row["topic"])
 
     def partition(self) -> int:
-        return self._r.partition
+        return int(self._row["partition"])
 
     def offset(self) -> int:
-        return self._r.offset
+        return int(self._row["offset"])
 
     def timestamp(self) -> tuple[int, int]:
-        return (confluent_kafka.TIMESTAMP_CREATE_TIME, self._r.timestamp_ms)
+        return (confluent_kafka.TIMESTAMP_CREATE_TIME, int(self._row["timestamp_ms"]))
 
     def key(self) -> bytes | None:
-        return self._r.key
+        key: bytes | None = self._row.get("key")
+        return key
 
     def value(self) -> bytes:
         return self._value
 
     def headers(self) -> list[tuple[str, bytes]]:
-        return list(self._r.headers.items())
+        return list((self._row.get("headers") or {}).items())
 
 
 class RecordingSource:
     """The consumer calls the trainer makes, answered from a recording, in file order.
-    Nothing is committed anywhere; ``exhausted`` is true once every record was served."""
+    Nothing is committed anywhere; ``exhausted`` is true once every record was served.
+    Values are served as the single-object bytes of the recorded trajectory (the
+    trainer decodes and checks them, as it does records from Kafka)."""
 
     def __init__(self, path: Path) -> None:
         codec = TrajectoryCodec()
-        self.records = list(read_recording(path))
         self._messages = [
-            _Message(r, codec.encode(r.trajectory) if r.trajectory else (r.raw or b""))
-            for r in self.records
+            _Message(
+                row,
+                codec.encode_avro_dict(row["trajectory"])
+                if row.get("trajectory") is not None
+                else (row.get("raw") or b""),
+            )
+            for row in _rows(path)
         ]
         self._pos = 0
         self._on_assign: Any = None
         self._assigned = False
         self._bounds: dict[tuple[str, int], tuple[int, int]] = {}
-        for r in self.records:
-            lo, hi = self._bounds.get((r.topic, r.partition), (r.offset, r.offset + 1))
-            self._bounds[(r.topic, r.partition)] = (min(lo, r.offset), max(hi, r.offset + 1))
+        for m in self._messages:
+            tp, offset = (m.topic(), m.partition()), m.offset()
+            lo, hi = self._bounds.get(tp, (offset, offset + 1))
+            self._bounds[tp] = (min(lo, offset), max(hi, offset + 1))
+
+    def __len__(self) -> int:
+        return len(self._messages)
 
     @property
     def exhausted(self) -> bool:

@@ -35,7 +35,6 @@ from pipeline.report import (
     last_json,
     ledger_summary,
     mean_over_envs,
-    read_jsonl,
     trainer_metrics,
     write_report,
 )
@@ -335,10 +334,10 @@ class Run:
         produced = 0
         versions = {}
         for c in children[1:]:
-            rows = read_jsonl(self.run_dir / "producers" / f"{c.name}.jsonl")
-            if rows:
-                produced += rows[-1]["episodes"]
-                versions[c.name] = rows[-1]["version"]
+            last = last_json(self.run_dir / "producers" / f"{c.name}.jsonl")
+            if last is not None:
+                produced += last["episodes"]
+                versions[c.name] = last["version"]
         init, final = evals.get("initial"), evals.get("final")
         stale = [m["staleness_mean"] for m in metrics]
         return {

@@ -1,4 +1,4 @@
-"""``rlstream run`` until the full pipeline lands: trajectories round-trip through Kafka.
+"""``rlstream check``: synthetic trajectories round-trip through Kafka, each checked.
 
 Creates the namespace's topics, produces synthetic 4,096-token trajectories through the
 real producer path (codec, headers, idempotent producer), consumes them as a consumer

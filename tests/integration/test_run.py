@@ -43,6 +43,17 @@ def run_args(bootstrap: str, run_dir: Path, *extra: str) -> list[str]:
     ]
 
 
+def start_long_run(bootstrap: str, run_dir: Path, *extra: str) -> subprocess.Popen[str]:
+    """A run far longer than the test, to be interrupted, broken or killed."""
+    return subprocess.Popen(
+        [*run_args(bootstrap, run_dir), "--steps=1000", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -171,13 +182,7 @@ def test_ctrl_c_mid_run_stops_every_process_and_still_reports(
     bootstrap: str, tmp_path: Path
 ) -> None:
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [*run_args(bootstrap, run_dir), "--steps=1000"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
+    proc = start_long_run(bootstrap, run_dir)
     try:
         metrics = run_dir / "metrics.jsonl"
         wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 2, 300, "steps")
@@ -202,13 +207,7 @@ def test_ctrl_c_mid_run_stops_every_process_and_still_reports(
 
 def test_a_dead_child_stops_the_run_with_its_status_and_log(bootstrap: str, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [*run_args(bootstrap, run_dir), "--steps=1000", "--eval-episodes=0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
+    proc = start_long_run(bootstrap, run_dir, "--eval-episodes=0")
     try:
         status = run_dir / "producers" / "producer-0.jsonl"
         wait_for(status.exists, 300, "the producer to run")
@@ -247,16 +246,11 @@ def test_bad_run_settings_fail_before_anything_starts(tmp_path: Path) -> None:
 
 def test_children_stop_when_the_run_itself_is_killed(bootstrap: str, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [*run_args(bootstrap, run_dir), "--steps=1000", "--eval-episodes=0"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        cwd=ROOT,
-    )
+    proc = start_long_run(bootstrap, run_dir, "--eval-episodes=0")
     try:
         wait_for((run_dir / "producers" / "producer-0.jsonl").exists, 300, "the producer")
         assert len(processes_of(run_dir)) >= 3  # run, trainer, producer
     finally:
         proc.kill()
-        proc.wait(30)
+        proc.communicate(timeout=30)
     wait_for(lambda: processes_of(run_dir) == [], 90, "the children to stop")
