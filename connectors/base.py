@@ -2,9 +2,11 @@
 
 An :class:`Environment` is asynchronous: ``reset(task)`` returns the first observation,
 ``step(action)`` takes the agent's text and returns a :class:`Step`. An environment may
-expose tools; the agent calls one by writing ``<call>name arguments</call>``, and the
-producer runs it and returns the result as a tool observation. Environments that live
-elsewhere (HTTP, subprocesses) implement the same contract through connectors.
+expose tools (a :class:`~connectors.tools.ToolRegistry`); the agent calls one by writing
+``<call>name arguments</call>``, and the producer runs it and returns the result as a
+tool observation. Environments that live elsewhere implement the same contract through
+connectors: ``http`` (:mod:`connectors.http`), ``process`` (:mod:`connectors.process`)
+and ``gym`` (:mod:`connectors.gym`).
 
 Failures are per episode: an exception or a timeout ends that episode with status
 ``env_error`` or ``timeout``; the producer and the other episodes go on.
@@ -13,14 +15,19 @@ Failures are per episode: an exception or a timeout ends that episode with statu
 from __future__ import annotations
 
 import abc
+import asyncio
 import json
+import logging
 import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
+from connectors.tools import ToolRegistry
 from pipeline.errors import InvalidConfigError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -29,6 +36,14 @@ class Task:
 
     task_id: str
     params: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SeedTask(Task):
+    """A task named only by a seed, for environments that sample their own tasks
+    elsewhere (a server, a child process): they draw it from ``Random(seed)``."""
+
+    seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -65,10 +80,10 @@ class Environment(abc.ABC):
     result text. Any exception is an environment error for this episode only.
     """
 
-    #: Name in the registry and in every trajectory.
+    #: Name in the registry and in every trajectory (and so of its rollout topic).
     name: str = ""
-    #: Tools the agent may call, described for the prompt: ``{name: description}``.
-    tool_descriptions: Mapping[str, str] = {}
+    #: Tools the agent may call; None: no tools.
+    tools: ToolRegistry | None = None
 
     @abc.abstractmethod
     def sample_task(self, rng: random.Random) -> Task:
@@ -83,8 +98,11 @@ class Environment(abc.ABC):
         """Apply the agent's action (its turn's text without tool calls)."""
 
     async def call_tool(self, name: str, arguments: str) -> str:
-        """Run tool ``name``; raise :class:`KeyError` if there is no such tool."""
-        raise KeyError(name)
+        """Run tool ``name`` on the agent's argument text; the result or the error is
+        text for the agent. Raise :class:`KeyError` if there is no such tool."""
+        if self.tools is None:
+            raise KeyError(name)
+        return (await self.tools.call(name, arguments)).text
 
     async def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Release what the episode holds (sessions, processes)."""
@@ -98,7 +116,13 @@ def register(name: str, factory: Callable[..., Environment]) -> None:
     _REGISTRY[name] = factory
 
 
-def make(name: str, **options: Any) -> Environment:
+def registered() -> list[str]:
+    """Names of the registered environments and connectors."""
+    _load_builtins()
+    return sorted(_REGISTRY)
+
+
+def make(name: str, /, **options: Any) -> Environment:
     """A new environment instance of registered ``name``."""
     _load_builtins()
     if name not in _REGISTRY:
@@ -109,6 +133,40 @@ def make(name: str, **options: Any) -> Environment:
         return _REGISTRY[name](**options)
     except TypeError as e:
         raise InvalidConfigError(f"environment {name!r}: bad options {options}: {e}") from None
+
+
+def env_name(name: str, options: Mapping[str, Any] | None = None) -> str:
+    """The name trajectories of environment ``name`` carry (a connector may take it
+    from an option): the one its rollout topic is named after."""
+    return make(name, **dict(options or {})).name
+
+
+class SharedResource(Protocol):
+    async def aclose(self) -> None: ...
+
+
+R = TypeVar("R", bound=SharedResource)
+_SHARED: dict[tuple[asyncio.AbstractEventLoop, Any], SharedResource] = {}
+
+
+def shared(key: Any, factory: Callable[[], R]) -> R:
+    """One resource per event loop and ``key`` (an HTTP connection pool, a pool of
+    child processes) for all the episodes of a producer; :func:`close_shared` ends them."""
+    loop = asyncio.get_running_loop()
+    res = _SHARED.get((loop, key))
+    if res is None:
+        res = _SHARED[(loop, key)] = factory()
+    return res  # type: ignore[return-value]
+
+
+async def close_shared() -> None:
+    """Close every shared resource of the running loop (at the end of a producer)."""
+    loop = asyncio.get_running_loop()
+    for k in [k for k in _SHARED if k[0] is loop]:
+        try:
+            await _SHARED.pop(k).aclose()
+        except Exception as e:  # closing is best effort
+            log.warning("closing %s failed: %r", k[1], e)
 
 
 def parse_options(items: Sequence[str]) -> dict[str, Any]:
@@ -127,4 +185,8 @@ def parse_options(items: Sequence[str]) -> dict[str, Any]:
 
 
 def _load_builtins() -> None:
-    import connectors.builtin  # noqa: F401  (registers on import)
+    # (each registers on import; the gym connector imports gymnasium only when used)
+    import connectors.builtin
+    import connectors.gym
+    import connectors.http
+    import connectors.process  # noqa: F401

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from connectors.base import Environment, LatencyModel, Step, Task, register
+from connectors.tools import Tool, ToolRegistry
 
 _INT = re.compile(r"-?\d+")
 _DIGIT = re.compile(r"\d+")
@@ -105,12 +106,20 @@ def safe_arithmetic(text: str, max_len: int = 64) -> int:
     return ev(tree)
 
 
+CALC_DESCRIPTION = "evaluates an integer expression of + - * // and parentheses"
+CALC_PARAMETERS = {
+    "type": "object",
+    "properties": {"expression": {"type": "string", "maxLength": 64}},
+    "required": ["expression"],
+    "additionalProperties": False,
+}
+
+
 class Calculator(Environment):
     """Answer ``a op b op c``; the ``calc`` tool evaluates expressions. Reward 1 for the
     right integer as the final answer (the first turn that is not a tool call)."""
 
     name = "calc"
-    tool_descriptions = {"calc": "evaluates an integer expression, e.g. <call>calc 3*(4+5)</call>"}
 
     def __init__(
         self,
@@ -124,6 +133,7 @@ class Calculator(Environment):
         self._rng = random.Random(seed)
         self._answer = 0
         self._turns = 0
+        self.tools = ToolRegistry([Tool("calc", CALC_DESCRIPTION, CALC_PARAMETERS, self._calc)])
 
     def sample_task(self, rng: random.Random) -> Task:
         a, b, c = (rng.randint(0, self.max_operand) for _ in range(3))
@@ -148,14 +158,9 @@ class Calculator(Environment):
             "Wrong, try again." if m else "Answer with a number.", 0.0, last, {"solved": False}
         )
 
-    async def call_tool(self, name: str, arguments: str) -> str:
-        if name != "calc":
-            raise KeyError(name)
+    async def _calc(self, expression: str) -> str:
         await asyncio.sleep(self.latency.sample(self._rng))
-        try:
-            return str(safe_arithmetic(arguments))
-        except ValueError as e:
-            return f"error: {e}"
+        return str(safe_arithmetic(expression))
 
 
 register("guess", GuessNumber)

@@ -326,8 +326,53 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_env(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from connectors.base import parse_options, registered
+    from connectors.serve import SessionHost, serve_http, serve_stdio
+
+    if args.action == "list":
+        for name in registered():
+            print(name)
+        return 0
+    if not args.name:
+        raise RlstreamError("env serve needs the environment's NAME")
+    host = SessionHost(
+        args.name,
+        parse_options(args.env_option),
+        max_sessions=args.max_sessions,
+        session_ttl_s=args.session_ttl,
+        call_timeout_s=args.call_timeout,
+    )
+    if not args.stdio and args.host not in ("127.0.0.1", "::1", "localhost"):
+        log.warning(
+            "serving on %s: anyone who can reach it can open sessions (there is no "
+            "authentication); put it behind a proxy that authenticates",
+            args.host,
+        )
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        serving = asyncio.ensure_future(
+            serve_stdio(host) if args.stdio else serve_http(host, args.host, args.port)
+        )
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, serving.cancel)
+        try:
+            await serving
+        except asyncio.CancelledError:
+            pass
+
+    asyncio.run(main())
+    if not args.stdio:
+        print(f"served {host.requests} requests", flush=True)
+    return 0
+
+
 def cmd_produce(args: argparse.Namespace) -> int:
-    from connectors.base import LatencyModel, parse_options
+    from connectors import stats as connector_stats
+    from connectors.base import LatencyModel, env_name, parse_options
     from pipeline.episode import EpisodeLimits
     from pipeline.model import PRESETS
     from pipeline.producer import AdmissionConfig, ProducerConfig, RolloutProducer
@@ -357,7 +402,8 @@ def cmd_produce(args: argparse.Namespace) -> int:
         **({"producer_id": args.producer_id} if args.producer_id else {}),
     )
     kafka = kafka_config(args)
-    ensure_topics(kafka, namespace_topics(args.namespace, [args.env], args.partitions))
+    topic_env = env_name(args.env, options)
+    ensure_topics(kafka, namespace_topics(args.namespace, [topic_env], args.partitions))
     stop = StopFlag().install()
     start = time.monotonic()
 
@@ -383,6 +429,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
                 "version": p.version,
                 "sent": p.writer.sent,
                 "failed": p.writer.failed,
+                "connectors": connector_stats.snapshot(),
             }
             with status_file.open("a") as f:
                 f.write(json.dumps(status) + "\n")
@@ -413,6 +460,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
             "delivery_failed": producer.writer.failed,
             "policy_version": producer.version,
             "paused_s": stats.paused_s,
+            "connectors": connector_stats.snapshot(),
         },
     }
     print_result(args, result, f"producer {cfg.producer_id} done: {result['figures']}")
@@ -662,6 +710,30 @@ def build_parser() -> argparse.ArgumentParser:
     add_broker_args(p)
     add_json_arg(p)
     p.set_defaults(func=cmd_broker)
+
+    p = sub.add_parser(
+        "env",
+        help="serve a registered environment over the remote protocol (HTTP or stdio), "
+        "or list the registered ones",
+    )
+    p.add_argument("action", choices=["serve", "list"])
+    p.add_argument("name", nargs="?", help="registered environment name (serve)")
+    add_env_option_arg(p)
+    p.add_argument("--port", type=int, default=8765, help="HTTP port (0: any free one)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument(
+        "--stdio",
+        action="store_true",
+        help="JSON lines on stdin/stdout instead of HTTP (a child of the process connector)",
+    )
+    p.add_argument("--max-sessions", type=int, default=1024, help="open sessions at most")
+    p.add_argument(
+        "--session-ttl", type=float, default=600.0, help="close sessions idle this long (s)"
+    )
+    p.add_argument(
+        "--call-timeout", type=float, default=60.0, help="fail an environment call after (s)"
+    )
+    p.set_defaults(func=cmd_env)
 
     p = sub.add_parser("topics", help="create a namespace's topics (idempotent)")
     p.add_argument("action", choices=["create"])

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from connectors.base import make
+from connectors.base import close_shared, make
 from pipeline.episode import EpisodeLimits, GroupSlot, run_episode
 from pipeline.model import ModelConfig, init_model
 from pipeline.policy_server import PolicyServer
@@ -94,7 +94,10 @@ def evaluate(
             finally:
                 free.put_nowait(slot)
 
-        return await asyncio.gather(*(one(i) for i in range(episodes)))
+        try:
+            return await asyncio.gather(*(one(i) for i in range(episodes)))
+        finally:
+            await close_shared()
 
     start = time.perf_counter()
     server.start()

@@ -24,7 +24,7 @@ from typing import Any
 
 import confluent_kafka
 
-from connectors.base import make
+from connectors.base import close_shared, env_name, make
 from pipeline.episode import EpisodeLimits, GroupSlot, run_episode
 from pipeline.errors import InvalidConfigError
 from pipeline.kafka import KafkaConfig
@@ -214,6 +214,7 @@ class RolloutProducer:
                 self.on_progress(self)
         await self._drain(running)
         admission.cancel()
+        await close_shared()
 
     def _admit(self) -> bool:
         """Admission control: may a new group start now? Records the trainer has not read
@@ -289,7 +290,7 @@ class RolloutProducer:
             return
         monitor = LagMonitor(
             self.kafka,
-            rollout_topic(self.cfg.namespace, self.cfg.env),
+            rollout_topic(self.cfg.namespace, env_name(self.cfg.env, self.cfg.env_options)),
             f"{self.cfg.namespace}.trainer",
         )
         try:

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from connectors.base import make, parse_options
+from connectors.base import env_name, make, parse_options
 from pipeline.errors import InvalidConfigError
 from pipeline.evaluate import EvalResult, evaluate_weights, latest_weights
 from pipeline.kafka import KafkaConfig
@@ -255,7 +255,12 @@ class Run:
         (rd / "config.json").write_text(json.dumps(self.config_json(), indent=2, sort_keys=True))
         self.say(f"run directory {rd} namespace {self.namespace}")
         ensure_topics(
-            self.kafka, namespace_topics(self.namespace, [self.cfg.env], self.cfg.partitions)
+            self.kafka,
+            namespace_topics(
+                self.namespace,
+                [env_name(self.cfg.env, parse_options(self.cfg.env_options))],
+                self.cfg.partitions,
+            ),
         )
         evals: dict[str, EvalResult | None] = {"initial": self.evaluate("initial")}
         children = self.children()
