@@ -27,7 +27,7 @@ from tenacity import (
     AsyncRetrying,
     retry_if_exception_type,
     stop_after_attempt,
-    wait_exponential_jitter,
+    wait_random_exponential,
 )
 
 from connectors import protocol
@@ -126,7 +126,7 @@ class HttpEnvironment(Environment):
         try:
             async for attempt in AsyncRetrying(
                 stop=stop_after_attempt(self.attempts),
-                wait=wait_exponential_jitter(initial=self.backoff_s, max=2.0),
+                wait=wait_random_exponential(multiplier=self.backoff_s, max=2.0),
                 retry=retry_if_exception_type(_Transient),
                 reraise=True,
             ):

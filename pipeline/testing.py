@@ -1,4 +1,5 @@
-"""Helpers shipped for tests, benchmarks and smoke runs: synthetic trajectories.
+"""Helpers shipped for tests, benchmarks and smoke runs: synthetic trajectories and a
+scripted policy.
 
 A synthetic trajectory follows the record contract exactly (alternating user and
 assistant turns, policy tokens masked and versioned), so it exercises the same code
@@ -9,9 +10,11 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pipeline.tokenizer import ByteTokenizer
 from pipeline.trajectory import (
     LOGPROB_DTYPE,
     MASK_DTYPE,
@@ -21,6 +24,9 @@ from pipeline.trajectory import (
     Turn,
     VersionSpan,
 )
+
+if TYPE_CHECKING:
+    from pipeline.policy_server import TurnResult
 
 
 def make_trajectory(
@@ -88,3 +94,33 @@ def _spans(mask: np.ndarray, versions: tuple[int, ...]) -> tuple[VersionSpan, ..
         if len(chunk):
             spans.append(VersionSpan(int(chunk[0]), int(chunk[-1]) + 1, version))
     return tuple(spans)
+
+
+class ScriptedPolicy:
+    """Stands in for a :class:`~pipeline.policy_server.PolicyServer`: each turn says the
+    next of ``turns`` (token lists), so that tests drive episodes deterministically (tool
+    calls, exact answers) without a model. ``fed`` records what each turn was given."""
+
+    def __init__(self, turns: list[list[int]], tokenizer: ByteTokenizer | None = None) -> None:
+        self.turns = list(turns)
+        self.fed: list[list[int]] = []
+        self.engine = self
+        self.version = 0
+        tok = tokenizer or ByteTokenizer()
+        self._stops = (tok.eos, tok.end_call)
+
+    def room(self, slot: int) -> int:
+        return 1000
+
+    async def generate(
+        self, slot: int, tokens: list[int], max_new: int, *, reset: bool = False
+    ) -> TurnResult:
+        from pipeline.policy_server import TurnResult  # (jax, only when a test needs it)
+
+        self.fed.append(list(tokens))
+        out = self.turns.pop(0)
+        stop = out[-1] if out[-1] in self._stops else None
+        return TurnResult(out, [-0.5] * len(out), [0] * len(out), stop)
+
+    def release(self, slot: int) -> None:
+        pass

@@ -15,8 +15,9 @@ from connectors.base import Environment, Step, Task, make
 from pipeline.codec import TrajectoryCodec
 from pipeline.episode import EpisodeLimits, GroupSlot, run_episode
 from pipeline.model import ModelConfig, init_model, token_logprobs
-from pipeline.policy_server import PolicyServer, TurnResult
+from pipeline.policy_server import PolicyServer
 from pipeline.sampler import DecodeEngine, SamplingConfig
+from pipeline.testing import ScriptedPolicy
 from pipeline.tokenizer import ByteTokenizer
 
 CFG = ModelConfig(d_model=32, num_layers=1, num_heads=2, d_ff=64, max_len=128)
@@ -125,31 +126,10 @@ def test_environment_failure_is_a_record_not_a_crash(model: Any) -> None:
     TrajectoryCodec().encode(t)
 
 
-class Scripted:
-    """A policy that says what it is told (to drive tool calls deterministically)."""
-
-    def __init__(self, turns: list[list[int]]) -> None:
-        self.turns = turns
-        self.fed: list[list[int]] = []
-        self.engine = self
-        self.version = 0
-
-    def room(self, slot: int) -> int:
-        return 1000
-
-    async def generate(
-        self, slot: int, tokens: list[int], max_new: int, *, reset: bool = False
-    ) -> TurnResult:
-        self.fed.append(list(tokens))
-        out = self.turns.pop(0)
-        stop = out[-1] if out[-1] in (TOK.eos, TOK.end_call) else None
-        return TurnResult(out, [-0.5] * len(out), [0] * len(out), stop)
-
-
 def test_tool_call_result_goes_back_as_an_observation() -> None:
     call = [TOK.call, *TOK.encode("calc 6*7"), TOK.end_call]
     answer = [*TOK.encode("42"), TOK.eos]
-    policy = Scripted([call, answer])
+    policy = ScriptedPolicy([call, answer])
     env = make("calc")
     task = Task("calc-6*7+0", {"expression": "6*7+0", "answer": 42})
     t = asyncio.run(
@@ -173,7 +153,7 @@ def test_tool_call_result_goes_back_as_an_observation() -> None:
 
 
 def test_unknown_tool_is_reported_to_the_agent() -> None:
-    policy = Scripted(
+    policy = ScriptedPolicy(
         [[TOK.call, *TOK.encode("rm -rf"), TOK.end_call], [*TOK.encode("1"), TOK.eos]]
     )
     t = asyncio.run(
