@@ -187,6 +187,16 @@ class StopFlag:
         return self.event.is_set()
 
 
+def start_telemetry(args: argparse.Namespace, kafka: KafkaConfig | None, process: str) -> Any:
+    """This process's tracer, shipping spans to ``<ns>.telemetry`` unless --no-telemetry
+    (or there is no Kafka, e.g. training from a file)."""
+    from pipeline.telemetry import NullTracer, Tracer, install
+
+    if getattr(args, "no_telemetry", False) or kafka is None:
+        return NullTracer()
+    return install(Tracer(process, kafka, args.namespace))
+
+
 # ---- commands ---------------------------------------------------------------------------
 
 
@@ -326,6 +336,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from pipeline import profile
+
+    telemetry = profile.read(kafka_config(args), args.namespace)
+    summary = profile.summarize(telemetry)
+    if args.output:
+        profile.write_trace(telemetry, Path(args.output))
+        print(f"wrote {args.output} ({len(telemetry.spans)} spans)", file=sys.stderr)
+    print_result(args, {"profile": summary}, profile.render(summary))
+    return 0
+
+
 def cmd_env(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -441,13 +463,17 @@ def cmd_produce(args: argparse.Namespace) -> int:
         )
 
     producer = RolloutProducer(cfg, kafka, on_progress=progress)
+    tracing = start_telemetry(args, kafka, cfg.producer_id)
 
     def stop_on_signal() -> None:
         stop.event.wait()
         producer.stop()
 
     threading.Thread(target=stop_on_signal, daemon=True).start()
-    stats = producer.run()
+    try:
+        stats = producer.run()
+    finally:
+        tracing.close()
     progress(producer)  # the final counts
     result = {
         "producer_id": cfg.producer_id,
@@ -536,7 +562,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         trainer.stop()
 
     threading.Thread(target=stop_on_signal, daemon=True).start()
-    step = trainer.run()
+    tracing = start_telemetry(args, None if source else kafka_config(args), cfg.trainer_id)
+    try:
+        step = trainer.run()
+    finally:
+        tracing.close()
     result = {
         "figures": {
             "steps": step,
@@ -712,6 +742,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_broker)
 
     p = sub.add_parser(
+        "profile",
+        help="every process's spans on one timeline (Chrome trace / Perfetto) and where "
+        "the time went",
+    )
+    add_namespace_arg(p)
+    p.add_argument("-o", "--output", default=None, help="write the trace (JSON) here")
+    add_kafka_args(p)
+    add_json_arg(p)
+    p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser(
         "env",
         help="serve a registered environment over the remote protocol (HTTP or stdio), "
         "or list the registered ones",
@@ -820,6 +861,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("produce", help="run a rollout producer: concurrent episodes into Kafka")
+    p.add_argument(
+        "--no-telemetry",
+        action="store_true",
+        help="do not send spans and metrics to <ns>.telemetry",
+    )
     add_namespace_arg(p)
     p.add_argument("--env", required=True, help="registered environment name (guess, calc)")
     add_env_option_arg(p)
@@ -888,6 +934,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_produce)
 
     p = sub.add_parser("train", help="run a trainer: consume, filter, batch, train, publish")
+    p.add_argument(
+        "--no-telemetry",
+        action="store_true",
+        help="do not send spans and metrics to <ns>.telemetry",
+    )
     add_namespace_arg(p)
     p.add_argument(
         "--run-dir",

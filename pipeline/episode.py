@@ -26,6 +26,7 @@ import numpy as np
 
 from connectors.base import Environment, Task
 from pipeline.policy_server import PolicyServer, TurnResult
+from pipeline.telemetry import span, tracer
 from pipeline.tokenizer import ByteTokenizer
 from pipeline.trajectory import (
     LOGPROB_DTYPE,
@@ -122,19 +123,22 @@ async def run_episode(
 
     deadline = time.monotonic() + limits.episode_timeout_s
 
-    async def timed(aw: Awaitable[T]) -> T:
+    track = f"slot-{slot}"
+
+    async def timed(aw: Awaitable[T], what: str = "env_step", **attrs: str) -> T:
         """An environment call bounded by the step timeout and the episode's deadline."""
         nonlocal env_s
         t0 = time.perf_counter()
         left = min(limits.step_timeout_s, deadline - time.monotonic())
         try:
-            return await asyncio.wait_for(aw, max(0.0, left))
+            with span(what, track, env=env.name, **attrs):
+                return await asyncio.wait_for(aw, max(0.0, left))
         finally:
             env_s += time.perf_counter() - t0
 
     try:
         t0 = time.perf_counter()
-        prompt = await timed(env.reset(member.task))
+        prompt = await timed(env.reset(member.task), "env_reset")
         rec.context(
             "user", [tokenizer.bos, *tokenizer.turn("user", prompt)], time.perf_counter() - t0
         )
@@ -142,7 +146,10 @@ async def run_episode(
         for turn_index in range(limits.max_policy_turns):
             t0 = time.perf_counter()
             feed = [*rec.tokens[fed:], assistant]
-            turn = await server.generate(slot, feed, limits.max_new_tokens, reset=turn_index == 0)
+            with span("policy_turn", track, env=env.name):
+                turn = await server.generate(
+                    slot, feed, limits.max_new_tokens, reset=turn_index == 0
+                )
             latency = time.perf_counter() - t0
             gen_s += latency
             if turn.stopped == tokenizer.end_call:
@@ -151,7 +158,7 @@ async def run_episode(
                 fed = len(rec.tokens)
                 t0 = time.perf_counter()
                 try:
-                    result = await timed(env.call_tool(name, args))
+                    result = await timed(env.call_tool(name, args), "tool_call", tool=name)
                 except KeyError:
                     result = f"error: no tool named {name!r}"
                 rec.context("tool", tokenizer.turn("tool", result), time.perf_counter() - t0, name)
@@ -187,6 +194,13 @@ async def run_episode(
         except Exception:  # closing is best effort
             pass
     rewards["env"] = reward
+    tracer().record(
+        "episode",
+        int(started * 1e9),
+        time.time_ns(),
+        track,
+        {"env": env.name, "group": member.group_id, "status": status},
+    )
     return Trajectory(
         trajectory_id=str(uuid.uuid4()),
         group_id=member.group_id,

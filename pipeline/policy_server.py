@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.sampler import DecodeEngine
+from pipeline.telemetry import tracer
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +117,16 @@ class PolicyServer:
                 if not active:
                     continue
                 t0 = time.perf_counter()
+                start_ns = time.time_ns()
                 out = self.engine.step(list(active))
                 took = time.perf_counter() - t0
+                tracer().record(
+                    "policy_forward",
+                    start_ns,
+                    start_ns + int(took * 1e9),
+                    "policy",
+                    {"rows": len(active), "version": self.engine.version},
+                )
                 self.step_s.append(took)
                 del self.step_s[:-1000]
                 if swapped is not None:
@@ -187,7 +196,8 @@ class PolicyServer:
         if swap is None:
             return None
         start = time.perf_counter()
-        self.engine.swap(*swap)
+        with tracer().span("weights_swap", "policy", version=swap[1]):
+            self.engine.swap(*swap)
         log.info("policy swapped version=%d", swap[1])
         return swap[1], time.time(), time.perf_counter() - start
 

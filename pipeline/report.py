@@ -216,7 +216,11 @@ def _fmt(v: Any) -> str:
 
 
 def write_report(
-    run_dir: Path, figures: dict[str, Any], config: dict[str, Any], start_time: float
+    run_dir: Path,
+    figures: dict[str, Any],
+    config: dict[str, Any],
+    start_time: float,
+    profile: str = "",
 ) -> Path:
     """``report.md`` with the figures, the resolved configuration and the plots."""
     made = plots(run_dir, start_time)
@@ -243,6 +247,19 @@ def write_report(
     ]
     for title, rel in made:
         lines += [f"### {title}", "", f"![{title}]({rel})", ""]
+    if profile:
+        lines += [
+            "## Where the time went",
+            "",
+            "From every process's spans (`rlstream profile`); the timeline is `trace.json` "
+            "(open it in https://ui.perfetto.dev or chrome://tracing), the figures are in "
+            "`profile.json`.",
+            "",
+            "```",
+            profile,
+            "```",
+            "",
+        ]
     lines += [
         "## Configuration",
         "",

@@ -288,9 +288,25 @@ class Run:
         )
         figures = self.figures(evals, run_s, children)
         figures["status"] = status
-        report = write_report(rd, figures, self.config_json(), self.start_time)
+        profile = self.profile()
+        report = write_report(rd, figures, self.config_json(), self.start_time, profile)
         (rd / "figures.json").write_text(json.dumps(figures, indent=2, sort_keys=True))
         return RunResult(status, figures, report, failure)
+
+    def profile(self) -> str:
+        """Every process's spans on one timeline (``trace.json``) and the profile summary
+        (``profile.json``); the summary's text for the report ("" if there is none)."""
+        from pipeline import profile
+
+        try:
+            telemetry = profile.read(self.kafka, self.namespace)
+        except Exception as e:  # the report is written whatever happened to telemetry
+            log.warning("no profile: %s", e)
+            return ""
+        summary = profile.summarize(telemetry)
+        profile.write_trace(telemetry, self.run_dir / "trace.json")
+        (self.run_dir / "profile.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+        return profile.render(summary)
 
     def _write_processes(self, children: list[Child]) -> None:
         """``processes.json``: every child's pid, exit status, restarts and log."""

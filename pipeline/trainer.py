@@ -41,6 +41,7 @@ from pipeline.kafka import KafkaConfig
 from pipeline.ledger import Ledger
 from pipeline.model import ModelConfig, init_model
 from pipeline.positions import PositionTracker
+from pipeline.telemetry import metric, span
 from pipeline.tokenizer import TOKENIZER_ID
 from pipeline.topics import ROLLOUTS, check_name, deadletter_topic, env_of
 from pipeline.transport import Coordinates
@@ -215,10 +216,13 @@ class Trainer:
                 t0 = time.perf_counter()
                 # block on Kafka only when there is no batch to train
                 starving = len(self.ready) < self.cfg.groups_per_batch
-                msgs = self.consumer.consume(256, 0.2 if starving else 0)
+                with span("consume", "kafka"):
+                    msgs = self.consumer.consume(256, 0.2 if starving else 0)
                 t1 = time.perf_counter()
-                for m in msgs:
-                    self._intake(m)
+                if msgs:
+                    with span("intake", "kafka", records=len(msgs)):
+                        for m in msgs:
+                            self._intake(m)
                 self.timers["consume"] += t1 - t0
                 self.timers["intake"] += time.perf_counter() - t1
                 for g in self.buffer.expired() if self.source is None else ():
@@ -274,11 +278,14 @@ class Trainer:
             return
         self.tracker.read(tp, m.offset())
         env = env_of(m.topic()) or "?"
+        if self.source is None and m.timestamp()[1] > 0:  # time the record spent in Kafka
+            metric("kafka_latency_s", time.time() - m.timestamp()[1] / 1000, env=env)
         h = TrajectoryHeaders.parse(m.headers())
         if h.min_version is not None and h.min_version >= 0 and self._stale(h.min_version):
             return self._drop(None, where, "stale", env)
         try:
-            t = self.codec.decode(m.value() or b"")
+            with span("decode", "kafka"):
+                t = self.codec.decode(m.value() or b"")
             if t.tokenizer_id != TOKENIZER_ID:
                 raise RecordDecodeError("tokenizer", f"{t.tokenizer_id} is not {TOKENIZER_ID}")
         except RecordDecodeError as e:
@@ -303,6 +310,7 @@ class Trainer:
         self.ledger.drop(tid, w.topic, w.partition, w.offset, reason)
         self.drops[reason] += 1
         self.drops_by_env[f"{env}:{reason}"] += 1
+        metric("drop", 1, reason=reason, env=env)
 
     def _drop_group(self, g: Any, reason: str) -> None:
         for mem in g.members.values():
@@ -387,16 +395,19 @@ class Trainer:
     def _train(self) -> int:
         self._last_step = time.monotonic()
         t0 = time.perf_counter()
-        groups = self._fresh_groups()
+        with span("staleness_filter", "train"):
+            groups = self._fresh_groups()
         if not groups:
             return int(self.state.step)
-        batch, members = assemble(groups, self.cfg.rows, self.cfg.buckets)
+        with span("batch_assembly", "train", groups=len(groups)):
+            batch, members = assemble(groups, self.cfg.rows, self.cfg.buckets)
         t1 = time.perf_counter()
         self.timers["assemble"] += t1 - t0
-        self.state, metrics = self.train_step(self.state, batch)
-        m: dict[str, Any] = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        if self.cfg.step_delay_s:
-            time.sleep(self.cfg.step_delay_s)
+        with span("train_step", "train", step=int(self.state.step) + 1, trained=len(members)):
+            self.state, metrics = self.train_step(self.state, batch)
+            m: dict[str, Any] = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            if self.cfg.step_delay_s:
+                time.sleep(self.cfg.step_delay_s)
         t2 = time.perf_counter()
         self.timers["step"] += t2 - t1
         # (a trajectory without policy tokens, e.g. an environment that timed out on
@@ -474,13 +485,14 @@ class Trainer:
                 if k >= self.version - self.cfg.max_staleness - 1
             },
         }
-        self.ckpt.save(
-            seq,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(self.state), meta=ocp.args.JsonSave(meta)
-            ),
-        )
-        self.ckpt.wait_until_finished()  # durable before anything is committed
+        with span("checkpoint_save", "train", step=step, version=self.version):
+            self.ckpt.save(
+                seq,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(self.state), meta=ocp.args.JsonSave(meta)
+                ),
+            )
+            self.ckpt.wait_until_finished()  # durable before anything is committed
         self._last_checkpoint = time.monotonic()
         # The committed offset is where a restart resumes (the lowest unsettled record).
         # Its metadata is the trainer's progress for producers' admission control: how
@@ -496,7 +508,8 @@ class Trainer:
         if offsets:
             self.consumer.commit(offsets=offsets, asynchronous=False)
         if announce:
-            self._announce(step, metrics or {})
+            with span("announce", "train", step=step, version=self.version):
+                self._announce(step, metrics or {})
 
     def _progress(self, tp: tuple[str, int]) -> int:
         return self.tracker.next(tp) - self.tracker.pending_count(tp)

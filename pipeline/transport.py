@@ -20,6 +20,7 @@ import confluent_kafka
 from pipeline.codec import TrajectoryCodec
 from pipeline.errors import KafkaClientError, RecordDecodeError
 from pipeline.kafka import KafkaConfig, kafka_errors, wrap_error
+from pipeline.telemetry import span
 from pipeline.topics import rollout_topic
 from pipeline.trajectory import Trajectory
 
@@ -49,8 +50,9 @@ class TrajectoryWriter:
 
     def write(self, t: Trajectory) -> None:
         """Encode and enqueue one trajectory (waits while the local queue is full)."""
-        value = self.codec.encode(t)
-        self.write_encoded(t.env, t.group_id, value, self.codec.headers(t))
+        with span("produce", "kafka", env=t.env):
+            value = self.codec.encode(t)
+            self.write_encoded(t.env, t.group_id, value, self.codec.headers(t))
 
     def write_encoded(
         self, env: str, key: str, value: bytes, headers: Sequence[tuple[str, bytes]]

@@ -28,6 +28,7 @@ from pipeline.codec import AvroCodec
 from pipeline.errors import RecordDecodeError
 from pipeline.kafka import KafkaConfig
 from pipeline.model import ModelConfig
+from pipeline.telemetry import span
 from pipeline.topics import weights_topic
 
 log = logging.getLogger(__name__)
@@ -176,16 +177,17 @@ class WeightsSubscriber:
             path = checkpoint_path(ann["checkpoint_uri"], self.allowed_roots)
         except ValueError as e:
             return self._refuse("uri", str(e))
-        try:
-            actual = digest(path)
-        except OSError as e:
-            return self._refuse("unreadable", str(e))
-        if actual != ann["digest"]:
-            return self._refuse("digest", f"{path}: announced {ann['digest']}, found {actual}")
-        try:
-            params = restore_params(path, self.cfg)
-        except Exception as e:  # any orbax failure keeps the old weights
-            return self._refuse("restore", repr(e))
+        with span("weights_restore", "weights", version=version):
+            try:
+                actual = digest(path)
+            except OSError as e:
+                return self._refuse("unreadable", str(e))
+            if actual != ann["digest"]:
+                return self._refuse("digest", f"{path}: announced {ann['digest']}, found {actual}")
+            try:
+                params = restore_params(path, self.cfg)
+            except Exception as e:  # any orbax failure keeps the old weights
+                return self._refuse("restore", repr(e))
         self.version = version
         self.accepted += 1
         log.info("weights loaded version=%d path=%s", version, path)

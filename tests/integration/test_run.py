@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -151,6 +152,34 @@ def test_a_short_run_trains_reports_and_leaves_nothing_running(
     config = json.loads((run_dir / "config.json").read_text())
     assert config["steps"] == 3 and config["producers"] == 2
     assert "learning_rate" in config and config["sync"] is False
+
+    # every process's spans on one timeline; the profile's counts agree with the ledger
+    profile = json.loads((run_dir / "profile.json").read_text())
+    assert {"producer-0", "producer-1"} <= set(profile["processes"])
+    assert len(profile["processes"]) == 3  # and the trainer
+    assert profile["trained"] == trained and profile["steps"] == 3
+    ledger_drops = Counter(d[4] for e in ledger for d in e["dropped"] if not isinstance(d[3], list))
+    assert {k: v for k, v in profile["dropped"].items() if k != "stale_range"} == dict(ledger_drops)
+    assert 0 < profile["trainer_busy_share"] <= 1
+    assert profile["kafka_latency_s"]["count"] > 0
+    trace = json.loads((run_dir / "trace.json").read_text())
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert names == set(profile["processes"])
+    span_names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert {
+        "episode",
+        "env_step",
+        "policy_forward",
+        "produce",
+        "consume",
+        "decode",
+        "staleness_filter",
+        "batch_assembly",
+        "train_step",
+        "checkpoint_save",
+        "announce",
+    } <= span_names
+    assert "## Where the time went" in report
 
 
 def test_sync_mode_trains_each_batch_on_the_current_policy_only(
