@@ -136,9 +136,10 @@ class ChildPool:
         self.busy.add(child)
         return child
 
-    async def release(self, child: Child) -> None:
+    async def release(self, child: Child, healthy: bool = True) -> None:
+        """Back to the idle children, or killed and reaped when dead or not ``healthy``."""
         self.busy.discard(child)
-        if child.alive:
+        if healthy and child.alive:
             self.idle.append(child)
         else:
             await child.kill()
@@ -246,8 +247,7 @@ class ProcessEnvironment(Environment):
     async def _drop(self) -> None:
         child, self._child = self._child, None
         if child is not None:
-            await child.kill()
-            await self._pool().release(child)
+            await self._pool().release(child, healthy=False)
 
 
 register("process", ProcessEnvironment)

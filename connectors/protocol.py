@@ -22,9 +22,6 @@ MAX_MESSAGE_BYTES = 1 << 20
 #: most characters of an observation or tool result taken from a remote environment
 MAX_TEXT_CHARS = 64 * 1024
 
-#: error codes of the protocol and whether a client may repeat the call
-RETRIABLE_CODES = frozenset({"overloaded", "unavailable"})
-
 
 class ConnectorError(RlstreamError):
     """A remote environment failed this call for good (after any retries): the episode

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ from pipeline.codec import AvroCodec
 from pipeline.errors import RlstreamError
 from pipeline.kafka import KafkaConfig
 from pipeline.topics import telemetry_topic
+from pipeline.transport import read_ranges
 
 #: spans in which the trainer works (the rest of its wall time it waits for data)
 TRAIN_SPANS = ("staleness_filter", "batch_assembly", "train_step", "checkpoint_save", "announce")
@@ -72,36 +73,20 @@ def read(kafka: KafkaConfig, namespace: str, timeout_s: float = 30.0) -> Telemet
         md = consumer.list_topics(topic, timeout=10)
         if topic not in md.topics or md.topics[topic].error is not None:
             raise RlstreamError(f"namespace {namespace!r} has no telemetry topic {topic}")
-        for value in _read_to_end(consumer, topic, sorted(md.topics[topic].partitions), timeout_s):
-            out.add(codec.decode(value))
+        ranges = {
+            (topic, p): consumer.get_watermark_offsets(
+                confluent_kafka.TopicPartition(topic, p), timeout=10
+            )
+            for p in md.topics[topic].partitions
+        }
+        try:
+            for m in read_ranges(consumer, ranges, timeout_s):
+                out.add(codec.decode(m.value()))
+        except TimeoutError as e:
+            raise RlstreamError(f"telemetry of {topic}: {e} in {timeout_s:g} s") from None
     finally:
         consumer.close()
     return out
-
-
-def _read_to_end(
-    consumer: Any, topic: str, partitions: Iterable[int], timeout_s: float
-) -> Iterator[bytes]:
-    todo: dict[int, int] = {}
-    for p in partitions:
-        low, high = consumer.get_watermark_offsets(
-            confluent_kafka.TopicPartition(topic, p), timeout=10
-        )
-        if high > low:
-            todo[p] = high
-    consumer.assign([confluent_kafka.TopicPartition(topic, p, 0) for p in todo])
-    idle = 0.0
-    while todo and idle < timeout_s:
-        msgs = consumer.consume(500, 1.0)
-        idle = 0.0 if msgs else idle + 1.0
-        for m in msgs:
-            if m.error() is not None or m.partition() not in todo:
-                continue
-            if m.offset() + 1 >= todo[m.partition()]:
-                del todo[m.partition()]
-            yield m.value()
-    if todo:
-        raise RlstreamError(f"telemetry of {topic} not read to its end in {timeout_s:g} s")
 
 
 def _union_s(intervals: list[tuple[int, int]]) -> float:

@@ -29,6 +29,7 @@ from pipeline.kafka import KafkaConfig
 from pipeline.schema_store import default_store
 from pipeline.topics import env_of, rollout_topics
 from pipeline.trajectory import Trajectory
+from pipeline.transport import read_ranges
 
 RECORD = "RecordedTrajectory"
 
@@ -121,31 +122,17 @@ def record(
         ranges = _ranges(consumer, topics.values(), start, end)
         total = sum(b - a for a, b in ranges.values())
         stats.partitions = {f"{t}:{p}": r for (t, p), r in ranges.items()}
-        todo = {tp: r for tp, r in ranges.items() if r[1] > r[0]}
-        consumer.assign(
-            [confluent_kafka.TopicPartition(t, p, a) for (t, p), (a, _) in todo.items()]
-        )
         codec = TrajectoryCodec()
 
         def records() -> Iterator[dict[str, Any]]:
             last = time.monotonic()
-            while todo:
-                for m in consumer.consume(500, 1.0):
-                    if m.error() is not None:
-                        continue
-                    tp = (m.topic(), m.partition())
-                    offset = m.offset() or 0
-                    if tp not in todo or offset >= todo[tp][1]:
-                        continue
-                    if offset + 1 >= todo[tp][1]:
-                        del todo[tp]
-                        consumer.incremental_unassign([confluent_kafka.TopicPartition(*tp)])
-                    stats.records += 1
-                    stats.bytes += len(m.value() or b"")
-                    yield _recorded_dict(m, codec, stats)
-                    if progress and time.monotonic() - last > 1.0:
-                        last = time.monotonic()
-                        progress(stats, total)
+            for m in read_ranges(consumer, ranges):
+                stats.records += 1
+                stats.bytes += len(m.value() or b"")
+                yield _recorded_dict(m, codec, stats)
+                if progress and time.monotonic() - last > 1.0:
+                    last = time.monotonic()
+                    progress(stats, total)
 
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(out.name + ".part")

@@ -32,10 +32,9 @@ SpanTuple = tuple[str, int, int, str, Mapping[str, Any]]
 
 
 class Tracer:
-    """Records spans and metrics; ``sink`` (a callable taking one encoded record) is
-    called from the flush thread, or never when None."""
-
-    enabled = True
+    """Records spans and metrics of ``process``; with ``kafka`` and ``namespace`` a flush
+    thread (:meth:`start`) ships them to ``<ns>.telemetry``, without them they are only
+    kept for :meth:`take`."""
 
     def __init__(
         self,
@@ -170,8 +169,6 @@ class Tracer:
 
 class NullTracer(Tracer):
     """Records nothing (the default until :func:`install`)."""
-
-    enabled = False
 
     def __init__(self) -> None:
         super().__init__("none")

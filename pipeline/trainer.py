@@ -278,8 +278,8 @@ class Trainer:
             return
         self.tracker.read(tp, m.offset())
         env = env_of(m.topic()) or "?"
-        if self.source is None and m.timestamp()[1] > 0:  # time the record spent in Kafka
-            metric("kafka_latency_s", time.time() - m.timestamp()[1] / 1000, env=env)
+        if self.source is None and where.timestamp_ms > 0:  # time the record spent in Kafka
+            metric("kafka_latency_s", time.time() - where.timestamp_ms / 1000, env=env)
         h = TrajectoryHeaders.parse(m.headers())
         if h.min_version is not None and h.min_version >= 0 and self._stale(h.min_version):
             return self._drop(None, where, "stale", env)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -184,3 +184,33 @@ class TrajectoryReader:
 
     def close(self) -> None:
         self.consumer.close()
+
+
+def read_ranges(
+    consumer: Any,
+    ranges: dict[tuple[str, int], tuple[int, int]],
+    idle_timeout_s: float | None = None,
+) -> Iterator[Any]:
+    """The messages of each partition's ``[start, end)``, partitions assigned directly
+    (no group joined, nothing committed); a partition is unassigned once read to its end.
+    With ``idle_timeout_s``, raises :class:`TimeoutError` after that long without a
+    message while some range is unfinished."""
+    todo = {tp: r for tp, r in ranges.items() if r[1] > r[0]}
+    consumer.assign([confluent_kafka.TopicPartition(t, p, a) for (t, p), (a, _) in todo.items()])
+    idle = 0.0
+    while todo:
+        msgs = consumer.consume(500, 1.0)
+        idle = 0.0 if msgs else idle + 1.0
+        if idle_timeout_s is not None and idle >= idle_timeout_s:
+            raise TimeoutError(f"{len(todo)} partitions not read to their end")
+        for m in msgs:
+            if m.error() is not None:
+                continue
+            tp = (m.topic(), m.partition())
+            offset = m.offset() or 0
+            if tp not in todo or offset >= todo[tp][1]:
+                continue
+            if offset + 1 >= todo[tp][1]:
+                del todo[tp]
+                consumer.incremental_unassign([confluent_kafka.TopicPartition(*tp)])
+            yield m
