@@ -264,7 +264,12 @@ class _Generator:
         if kind in ("bytes", "string"):
             b = self.tmp("b")
             conv = f"{v}.encode('utf-8')" if kind == "string" else v
-            return [f"{ind}{b} = {conv}", f"{ind}_wlong(out, len({b}))", f"{ind}out += {b}"]
+            return [
+                f"{ind}{b} = {conv}",
+                f"{ind}if len({b}) < 64: out.append(len({b}) << 1)",
+                f"{ind}else: _wlong(out, len({b}))",
+                f"{ind}out += {b}",
+            ]
         if kind == "array":
             x = self.tmp("x")
             return [

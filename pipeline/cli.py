@@ -72,6 +72,24 @@ def add_kafka_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_observability_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-telemetry",
+        action="store_true",
+        help="do not send spans and metrics to <ns>.telemetry",
+    )
+    add_metrics_args(p, "serve Prometheus metrics on this port (0: any free port)")
+
+
+def add_metrics_args(p: argparse.ArgumentParser, port_help: str) -> None:
+    p.add_argument("--metrics-port", type=int, default=None, help=port_help)
+    p.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address the metrics port binds (0.0.0.0 for a Prometheus on another host)",
+    )
+
+
 def add_namespace_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--namespace",
@@ -187,6 +205,17 @@ class StopFlag:
         return self.event.is_set()
 
 
+def start_metrics(args: argparse.Namespace, collect: Any, process: str) -> Any:
+    """A Prometheus exporter of ``collect`` when --metrics-port is given (else None)."""
+    if args.metrics_port is None:
+        return None
+    from pipeline.prometheus import Exporter
+
+    exporter = Exporter(collect, args.metrics_port, args.metrics_host, {"process": process})
+    print(f"metrics on {exporter.url}", flush=True)
+    return exporter.start()
+
+
 def start_telemetry(args: argparse.Namespace, kafka: KafkaConfig | None, process: str) -> Any:
     """This process's tracer, shipping spans to ``<ns>.telemetry`` unless --no-telemetry
     (or there is no Kafka, e.g. training from a file)."""
@@ -286,6 +315,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         eval_episodes=args.eval_episodes,
         seed=args.seed,
         restarts=3 if args.restart_on_failure else 0,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
     )
     stamp = time.strftime("%Y%m%d-%H%M%S")
     namespace = args.namespace or f"run-{stamp}-{os.getpid() % 10000}"
@@ -464,6 +495,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
 
     producer = RolloutProducer(cfg, kafka, on_progress=progress)
     tracing = start_telemetry(args, kafka, cfg.producer_id)
+    exporter = start_metrics(args, producer.samples, cfg.producer_id)
 
     def stop_on_signal() -> None:
         stop.event.wait()
@@ -474,6 +506,8 @@ def cmd_produce(args: argparse.Namespace) -> int:
         stats = producer.run()
     finally:
         tracing.close()
+        if exporter is not None:
+            exporter.close()
     progress(producer)  # the final counts
     result = {
         "producer_id": cfg.producer_id,
@@ -563,10 +597,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     threading.Thread(target=stop_on_signal, daemon=True).start()
     tracing = start_telemetry(args, None if source else kafka_config(args), cfg.trainer_id)
+    exporter = start_metrics(args, trainer.samples, cfg.trainer_id)
     try:
         step = trainer.run()
     finally:
         tracing.close()
+        if exporter is not None:
+            exporter.close()
     result = {
         "figures": {
             "steps": step,
@@ -690,7 +727,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from pipeline.bench import asyncrl, codec, rollout, trainer, transport, weights
+    from pipeline.bench import asyncrl, codec, rollout, telemetry, trainer, transport, weights
 
     benches: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
         "async": asyncrl.run,
@@ -699,6 +736,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "rollout": rollout.run,
         "weights": weights.run,
         "trainer": trainer.run,
+        "telemetry": telemetry.run,
     }
     result = benches[args.which](args)
     print_result(args, result, format_bench(result))
@@ -828,6 +866,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="restart a process that fails (up to 3 times) instead of stopping the run",
     )
+    add_metrics_args(
+        p, "Prometheus metrics of the trainer on this port, of producer i on the port + 1 + i"
+    )
     add_kafka_args(p)
     add_broker_args(p)
     add_json_arg(p)
@@ -861,11 +902,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("produce", help="run a rollout producer: concurrent episodes into Kafka")
-    p.add_argument(
-        "--no-telemetry",
-        action="store_true",
-        help="do not send spans and metrics to <ns>.telemetry",
-    )
+    add_observability_args(p)
     add_namespace_arg(p)
     p.add_argument("--env", required=True, help="registered environment name (guess, calc)")
     add_env_option_arg(p)
@@ -934,11 +971,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_produce)
 
     p = sub.add_parser("train", help="run a trainer: consume, filter, batch, train, publish")
-    p.add_argument(
-        "--no-telemetry",
-        action="store_true",
-        help="do not send spans and metrics to <ns>.telemetry",
-    )
+    add_observability_args(p)
     add_namespace_arg(p)
     p.add_argument(
         "--run-dir",
@@ -1025,15 +1058,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
     p.add_argument(
-        "which", choices=["codec", "transport", "rollout", "weights", "trainer", "async"]
+        "which",
+        choices=["codec", "transport", "rollout", "weights", "trainer", "async", "telemetry"],
     )
     p.add_argument(
         "--seconds",
         type=float,
         default=None,
-        help="time per measurement (codec: 2 per round; rollout: 15 per level)",
+        help="time per measurement (codec: 2 per round; rollout: 15 per level; telemetry: "
+        "10 per window)",
     )
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per contender")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="interleaved rounds per contender (telemetry: pairs of windows)",
+    )
     p.add_argument("--tokens", type=int, default=4096, help="tokens per trajectory")
     p.add_argument("--records", type=int, default=3000, help="records (transport)")
     p.add_argument(

@@ -131,7 +131,9 @@ async def run_episode(
         t0 = time.perf_counter()
         left = min(limits.step_timeout_s, deadline - time.monotonic())
         try:
-            with span(what, track, env=env.name, **attrs):
+            # the episode's span on the same track carries env and group: spans inside it
+            # stay small, as they are the most frequent of all
+            with span(what, track, **attrs):
                 return await asyncio.wait_for(aw, max(0.0, left))
         finally:
             env_s += time.perf_counter() - t0
@@ -146,7 +148,7 @@ async def run_episode(
         for turn_index in range(limits.max_policy_turns):
             t0 = time.perf_counter()
             feed = [*rec.tokens[fed:], assistant]
-            with span("policy_turn", track, env=env.name):
+            with span("policy_turn", track):
                 turn = await server.generate(
                     slot, feed, limits.max_new_tokens, reset=turn_index == 0
                 )

@@ -24,12 +24,14 @@ from typing import Any
 
 import confluent_kafka
 
+from connectors import stats as connector_stats
 from connectors.base import close_shared, env_name, make
 from pipeline.episode import EpisodeLimits, GroupSlot, run_episode
 from pipeline.errors import InvalidConfigError
 from pipeline.kafka import KafkaConfig
 from pipeline.model import ModelConfig, init_model
 from pipeline.policy_server import PolicyServer
+from pipeline.prometheus import Sample
 from pipeline.sampler import DecodeEngine, SamplingConfig
 from pipeline.tokenizer import ByteTokenizer
 from pipeline.topics import rollout_topic
@@ -165,6 +167,7 @@ class RolloutProducer:
         self._rng = random.Random(cfg.seed)
         self._sync_version = 0
         self._sync_started = 0
+        self._started = time.monotonic()
 
     @property
     def version(self) -> int:
@@ -172,6 +175,93 @@ class RolloutProducer:
 
     def stop(self) -> None:
         self.stop_event.set()
+
+    def samples(self) -> list[Sample]:
+        """This producer's figures for Prometheus (read at scrape time)."""
+        st, w = self.stats, self.writer
+        finished = dict(st.finished)
+        done = sum(finished.values())
+        out = [
+            Sample(
+                "rlstream_producer_episodes_total",
+                n,
+                "counter",
+                "episodes finished, by status (ok, truncated, timeout, env_error)",
+                {"status": status},
+            )
+            for status, n in sorted(finished.items())
+        ]
+        out += [
+            Sample(
+                "rlstream_producer_episodes_in_flight",
+                st.started - done - st.dropped,
+                help="episodes running now",
+            ),
+            Sample(
+                "rlstream_producer_trajectories_per_second",
+                done / max(1e-9, time.monotonic() - self._started),
+                help="episodes finished per second since start",
+            ),
+            Sample("rlstream_producer_records_sent_total", w.sent, "counter", "records produced"),
+            Sample(
+                "rlstream_producer_records_delivered_total",
+                w.delivered,
+                "counter",
+                "records acknowledged by Kafka",
+            ),
+            Sample(
+                "rlstream_producer_delivery_failures_total",
+                w.failed,
+                "counter",
+                "records Kafka did not acknowledge",
+            ),
+            Sample(
+                "rlstream_producer_policy_version", self.version, help="policy version sampling now"
+            ),
+            Sample(
+                "rlstream_producer_lag_records",
+                st.lag,
+                help="records not yet read by the trainer group (admission control's view)",
+            ),
+            Sample("rlstream_producer_paused", int(st.paused), help="1 while admission holds back"),
+            Sample(
+                "rlstream_producer_paused_seconds_total",
+                st.paused_s,
+                "counter",
+                "seconds held back by admission control",
+            ),
+        ]
+        if self.weights is not None:
+            out += [
+                Sample(
+                    "rlstream_producer_weights_refused_total",
+                    n,
+                    "counter",
+                    "weight announcements refused, by reason",
+                    {"reason": reason},
+                )
+                for reason, n in sorted(dict(self.weights.refused).items())
+            ]
+            out.append(
+                Sample(
+                    "rlstream_producer_weights_loaded_total",
+                    self.weights.accepted,
+                    "counter",
+                    "weight announcements loaded",
+                )
+            )
+        for key, n in sorted(connector_stats.snapshot().items()):
+            connector, _, event = key.partition("/")
+            out.append(
+                Sample(
+                    "rlstream_connector_events_total",
+                    n,
+                    "counter",
+                    "connector events (retries, timeouts, restarts, tool calls ...)",
+                    {"connector": connector, "event": event},
+                )
+            )
+        return out
 
     def run(self) -> ProducerStats:
         """Run on a new event loop until done; flushes every finished record."""

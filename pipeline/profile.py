@@ -120,7 +120,8 @@ def summarize(t: Telemetry) -> dict[str, Any]:
     for s in t.spans:
         by_proc[s.process].append(s)
     trainers = [p for p, ss in by_proc.items() if any(s.name == "train_step" for s in ss)]
-    producers = [p for p, ss in by_proc.items() if any(s.name == "episode" for s in ss)]
+    # producers ship what they roll out (the run's own evaluation episodes do not count)
+    producers = [p for p, ss in by_proc.items() if any(s.name == "produce" for s in ss)]
     out: dict[str, Any] = {"processes": sorted(by_proc), "spans": len(t.spans)}
 
     def wall(ss: list[Span]) -> float:

@@ -39,6 +39,8 @@ from pipeline.report import (
     write_report,
 )
 from pipeline.supervisor import Child, Supervisor
+from pipeline.telemetry import NullTracer, Tracer, install, span
+from pipeline.tensorboard import ScalarWriter
 from pipeline.topics import ensure_topics, namespace_topics
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,9 @@ class RunConfig:
     seed: int = 0
     #: restarts allowed per child process that exits with an error (0: stop the run)
     restarts: int = 0
+    #: Prometheus: the trainer on this port, producer i on the port + 1 + i (None: off)
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         make(self.env, **parse_options(self.env_options))  # a clear error now, not in a child
@@ -77,6 +82,11 @@ class RunConfig:
             raise InvalidConfigError(f"model must be one of {sorted(PRESETS)}")
         if self.producers < 1 or self.steps < 1 or self.concurrency < 1:
             raise InvalidConfigError("producers, steps and concurrency must be at least 1")
+        if self.metrics_port is not None and not 0 < self.metrics_port <= 65535 - self.producers:
+            raise InvalidConfigError(
+                f"--metrics-port: ports {self.metrics_port}..{self.metrics_port + self.producers} "
+                "must lie in 1..65535"
+            )
         if self.eval_episodes < 0 or self.max_staleness < 0:
             raise InvalidConfigError("eval episodes and max staleness must not be negative")
         if self.sync and self.rows % (self.producers * self.group_size):
@@ -172,6 +182,7 @@ class Run:
                 f"--max-staleness={0 if cfg.sync else cfg.max_staleness}",
                 f"--seed={cfg.seed}",
                 *(["--batch-timeout-s=3600"] if cfg.sync else []),
+                *self._metrics_flags(0),
                 *kafka_flags,
             ],
             rd / "logs" / "trainer.log",
@@ -207,6 +218,7 @@ class Run:
                             if cfg.sync
                             else [f"--max-staleness={cfg.max_staleness}"]
                         ),
+                        *self._metrics_flags(1 + i),
                         *kafka_flags,
                     ],
                     rd / "logs" / f"{name}.log",
@@ -214,6 +226,12 @@ class Run:
                 )
             )
         return [trainer, *producers]
+
+    def _metrics_flags(self, offset: int) -> list[str]:
+        port, host = self.cfg.metrics_port, self.cfg.metrics_host
+        if port is None:
+            return []
+        return [f"--metrics-port={port + offset}", f"--metrics-host={host}"]
 
     # ---- the run -----------------------------------------------------------------------
 
@@ -231,7 +249,17 @@ class Run:
             f"evaluating the {which} policy (version {version}) on {cfg.eval_episodes} "
             "held-out episodes ..."
         )
-        result = evaluate_weights(
+        with span("evaluate", which=which, version=version):
+            result = self._evaluate(weights, version)
+        self.say(
+            f"  {which}: success {result.success:.3f} reward {result.reward_mean:.3f} "
+            f"({result.seconds:.1f}s)"
+        )
+        return result
+
+    def _evaluate(self, weights: Path | None, version: int) -> EvalResult:
+        cfg = self.cfg
+        return evaluate_weights(
             cfg.env,
             env_options=parse_options(cfg.env_options),
             model=PRESETS[cfg.model],
@@ -243,11 +271,6 @@ class Run:
             max_new_tokens=cfg.max_new_tokens,
             temperature=cfg.temperature,
         )
-        self.say(
-            f"  {which}: success {result.success:.3f} reward {result.reward_mean:.3f} "
-            f"({result.seconds:.1f}s)"
-        )
-        return result
 
     def execute(self) -> RunResult:
         rd = self.run_dir
@@ -262,6 +285,27 @@ class Run:
                 self.cfg.partitions,
             ),
         )
+        # the run's own spans (its evaluations) go on the timeline with the children's
+        tracing = install(Tracer("run", self.kafka, self.namespace))
+        try:
+            status, failure, evals, run_s, children = self._run_children()
+        finally:
+            tracing.close()
+            install(NullTracer())
+        figures = self.figures(evals, run_s, children)
+        figures["status"] = status
+        self._eval_scalars(evals)
+        profile = self.profile()
+        report = write_report(rd, figures, self.config_json(), self.start_time, profile)
+        (rd / "figures.json").write_text(json.dumps(figures, indent=2, sort_keys=True))
+        return RunResult(status, figures, report, failure)
+
+    def _run_children(
+        self,
+    ) -> tuple[str, str, dict[str, EvalResult | None], float, list[Child]]:
+        """Initial evaluation, the children until the run ends, final evaluation: the
+        run's status, what failed, the evaluations, the children's seconds, the children."""
+        rd = self.run_dir
         evals: dict[str, EvalResult | None] = {"initial": self.evaluate("initial")}
         children = self.children()
         supervisor = Supervisor(children)
@@ -286,12 +330,18 @@ class Run:
         (rd / "eval.json").write_text(
             json.dumps({k: v.to_json() if v else None for k, v in evals.items()}, indent=2)
         )
-        figures = self.figures(evals, run_s, children)
-        figures["status"] = status
-        profile = self.profile()
-        report = write_report(rd, figures, self.config_json(), self.start_time, profile)
-        (rd / "figures.json").write_text(json.dumps(figures, indent=2, sort_keys=True))
-        return RunResult(status, figures, report, failure)
+        return status, failure, evals, run_s, children
+
+    def _eval_scalars(self, evals: dict[str, EvalResult | None]) -> None:
+        """Held-out success and reward next to the trainer's scalars, at the evaluated
+        policy's version (the trainer step that made it)."""
+        writer = ScalarWriter(self.run_dir / "tensorboard")
+        for result in evals.values():
+            if result is not None:
+                writer.write(
+                    result.version,
+                    {"eval/success": result.success, "eval/reward": result.reward_mean},
+                )
 
     def profile(self) -> str:
         """Every process's spans on one timeline (``trace.json``) and the profile summary

@@ -41,7 +41,9 @@ from pipeline.kafka import KafkaConfig
 from pipeline.ledger import Ledger
 from pipeline.model import ModelConfig, init_model
 from pipeline.positions import PositionTracker
+from pipeline.prometheus import Sample
 from pipeline.telemetry import metric, span
+from pipeline.tensorboard import ScalarWriter, flatten
 from pipeline.tokenizer import TOKENIZER_ID
 from pipeline.topics import ROLLOUTS, check_name, deadletter_topic, env_of
 from pipeline.transport import Coordinates
@@ -112,6 +114,7 @@ class Trainer:
         self.dead_codec = AvroCodec("DeadLetter")
         self.ledger = Ledger(cfg.run_dir / "ledger.jsonl")
         self.metrics_path = cfg.run_dir / "metrics.jsonl"
+        self.scalars = ScalarWriter(cfg.run_dir / "tensorboard")  # the same rows, for TensorBoard
         self.tracker = PositionTracker()
         self.version = 0
         self.version_times: dict[int, int] = {}
@@ -120,6 +123,9 @@ class Trainer:
         self.drops: Counter[str] = Counter()
         self.drops_by_env: Counter[str] = Counter()
         self.deadlettered = 0
+        self.trained = 0  # samples trained by this process
+        self.last_metrics: dict[str, Any] = {}  # the latest step's metrics row
+        self._started = time.monotonic()
         #: seconds spent per phase: consume, intake (filter, decode), assemble, step,
         #: checkpoint (ledger, orbax, commit, announcement)
         self.timers: dict[str, float] = defaultdict(float)
@@ -367,6 +373,7 @@ class Trainer:
             self.tracker.settle_range(key, a, b)
             self.ledger.drop_range(key[0], key[1], a, b, "stale_range")
             self.drops["stale_range"] += b - a
+            metric("drop", b - a, reason="stale_range", env=env_of(key[0]) or "")
         log.info("skipped stale range topic=%s partition=%d from=%d to=%d", *key, start, end)
         return end
 
@@ -451,9 +458,66 @@ class Trainer:
         m["busy_s"], m["idle_s"] = busy, sum(self.timers.values()) - busy  # since start
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(m) + "\n")
+        self.trained += len(members)
+        self.last_metrics = m
+        self.scalars.write(
+            step, flatten({k: v for k, v in m.items() if k != "staleness_hist"}, "train"), m["time"]
+        )
         if self.on_step:
             self.on_step(m)
         return step
+
+    def samples(self) -> list[Sample]:
+        """This trainer's figures for Prometheus (read at scrape time)."""
+        m = self.last_metrics
+        out = [
+            Sample("rlstream_trainer_step", int(self.state.step), help="train steps taken"),
+            Sample("rlstream_trainer_policy_version", self.version, help="latest policy version"),
+            Sample(
+                "rlstream_trainer_trained_total",
+                self.trained,
+                "counter",
+                "samples trained by this process",
+            ),
+            Sample(
+                "rlstream_trainer_samples_per_second",
+                self.trained / max(1e-9, time.monotonic() - self._started),
+                help="samples trained per second since start",
+            ),
+            Sample(
+                "rlstream_trainer_deadlettered_total",
+                self.deadlettered,
+                "counter",
+                "records sent to the dead-letter topic",
+            ),
+        ]
+        out += [
+            Sample(
+                "rlstream_trainer_dropped_total",
+                n,
+                "counter",
+                "records dropped, by reason (stale, stale_range, deadletter, ...)",
+                {"reason": reason},
+            )
+            for reason, n in sorted(dict(self.drops).items())
+        ]
+        for key, name, text in (
+            ("lag", "rlstream_trainer_lag_records", "records not trained or dropped yet"),
+            ("staleness_mean", "rlstream_trainer_staleness_mean", "last batch's mean staleness"),
+            ("busy_share", "rlstream_trainer_busy_share", "share of time spent training"),
+            ("loss", "rlstream_trainer_loss", "last step's loss"),
+        ):
+            if key in m:
+                out.append(Sample(name, float(m[key]), help=text))
+        for key, name in (
+            ("reward", "rlstream_trainer_reward"),
+            ("success", "rlstream_trainer_success"),
+        ):
+            out += [
+                Sample(name, v, help=f"last batch's mean {key}, by environment", labels={"env": e})
+                for e, v in sorted(m.get(key, {}).items())
+            ]
+        return out
 
     def _lag(self) -> int:
         """Records of the assigned partitions not trained or dropped yet."""

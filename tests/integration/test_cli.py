@@ -102,3 +102,27 @@ def test_bench_transport_runs_next_to_kafka_tools(bootstrap: str) -> None:
     assert out["figures"]["kafka_producer_perf_per_s"] > 0
     assert out["figures"]["kafka_consumer_perf_per_s"] > 0
     assert out["ratios"]["vs_kafka_tools"] > 0
+
+
+def test_bench_telemetry_switches_the_tracer_of_a_running_producer(bootstrap: str) -> None:
+    result = rlstream(
+        "bench",
+        "telemetry",
+        "--bootstrap",
+        bootstrap,
+        "--seconds",
+        "1",
+        "--rounds",
+        "2",
+        "--concurrency",
+        "16",
+        "--json",
+    )
+    assert result.returncode == 0, result.stderr
+    f = last_json(result.stdout)["figures"]
+    assert f["trajectories_per_s_off"] > 0 and f["trajectories_per_s_on"] > 0
+    # spans were shipped while on, and the tracer's CPU time was measured
+    assert f["spans_per_s"] > 0 and f["spans_per_trajectory"] > 1
+    assert f["telemetry_overhead"] == pytest.approx(f["record_cpu_share"] + f["flush_cpu_share"])
+    assert f["flush_cpu_share"] > 0
+    assert result.stdout.count("telemetry on") == result.stdout.count("telemetry off") == 2

@@ -12,6 +12,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -87,19 +88,79 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.5)
 
 
+def free_ports(n: int) -> int:
+    """A base port with ``n`` consecutive free ports from it."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n > 65535:
+            continue
+        try:
+            socks = []
+            for p in range(base, base + n):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise AssertionError("no consecutive free ports")
+
+
+def scrape_while(
+    proc: subprocess.Popen[str], ports: dict[str, int]
+) -> dict[str, list[dict[str, Any]]]:
+    """Scrapes ``/metrics`` of each process every 0.2 s until ``proc`` exits; each scrape
+    parsed by Prometheus's own parser into ``{metric: {labels (except process): value}}``
+    plus the ``process`` label."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, list[dict[str, Any]]] = {name: [] for name in ports}
+    while proc.poll() is None:
+        for name, port in ports.items():
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                    assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+                    text = r.read().decode()
+            except OSError:
+                continue  # not started yet, or gone
+            scrape: dict[str, Any] = {}
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    labels = dict(sample.labels)
+                    scrape["process"] = labels.pop("process")
+                    key = tuple(sorted(labels.items()))
+                    scrape.setdefault(sample.name, {})[key if key else ()] = sample.value
+            out[name].append(scrape)
+        time.sleep(0.2)
+    return out
+
+
 def test_a_short_run_trains_reports_and_leaves_nothing_running(
     bootstrap: str, tmp_path: Path
 ) -> None:
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [*run_args(bootstrap, run_dir), "--steps=3", "--producers=2"],
-        capture_output=True,
+    base = free_ports(3)
+    proc = subprocess.Popen(
+        [*run_args(bootstrap, run_dir), "--steps=3", "--producers=2", f"--metrics-port={base}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
         cwd=ROOT,
-        timeout=600,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = last_json(proc.stdout)
+    # Prometheus metrics of each process, scraped while the run goes on
+    scraped = scrape_while(proc, {"trainer": base, "producer-0": base + 1, "producer-1": base + 2})
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    out = last_json(stdout)
     figures = out["figures"]
     assert out["status"] == "completed"
 
@@ -155,11 +216,14 @@ def test_a_short_run_trains_reports_and_leaves_nothing_running(
 
     # every process's spans on one timeline; the profile's counts agree with the ledger
     profile = json.loads((run_dir / "profile.json").read_text())
-    assert {"producer-0", "producer-1"} <= set(profile["processes"])
-    assert len(profile["processes"]) == 3  # and the trainer
+    assert {"producer-0", "producer-1", "run"} <= set(profile["processes"])
+    assert len(profile["processes"]) == 4  # and the trainer
     assert profile["trained"] == trained and profile["steps"] == 3
-    ledger_drops = Counter(d[4] for e in ledger for d in e["dropped"] if not isinstance(d[3], list))
-    assert {k: v for k, v in profile["dropped"].items() if k != "stale_range"} == dict(ledger_drops)
+    ledger_drops: Counter[str] = Counter()
+    for e in ledger:
+        for d in e["dropped"]:
+            ledger_drops[d[4]] += d[3][1] - d[3][0] if isinstance(d[3], list) else 1
+    assert profile["dropped"] == dict(ledger_drops)
     assert 0 < profile["trainer_busy_share"] <= 1
     assert profile["kafka_latency_s"]["count"] > 0
     trace = json.loads((run_dir / "trace.json").read_text())
@@ -178,8 +242,39 @@ def test_a_short_run_trains_reports_and_leaves_nothing_running(
         "train_step",
         "checkpoint_save",
         "announce",
+        "evaluate",
     } <= span_names
     assert "## Where the time went" in report
+
+    # after the first step's metrics row (the step counter moves a moment before it)
+    trainer_scrapes = [m for m in scraped["trainer"] if "rlstream_trainer_loss" in m]
+    assert trainer_scrapes, "no scrape of the trainer after its first step"
+    for m in trainer_scrapes:
+        step = m["rlstream_trainer_step"][()]
+        assert 8 * (step - 1) <= m["rlstream_trainer_trained_total"][()] <= trained
+        assert m["rlstream_trainer_policy_version"][()] in (step - 1, step)
+        assert m["rlstream_trainer_lag_records"][()] >= 0
+        assert 0 < m["rlstream_trainer_busy_share"][()] <= 1
+    for i in range(2):
+        name = f"producer-{i}"
+        assert scraped[name], f"no scrape of {name}"
+        final = json.loads((run_dir / "producers" / f"{name}.jsonl").read_text().splitlines()[-1])
+        last = scraped[name][-1]
+        assert sum(last["rlstream_producer_episodes_total"].values()) <= final["episodes"]
+        assert 0 <= last["rlstream_producer_policy_version"][()] <= 3
+        assert last["process"] == name
+
+    # TensorBoard scalars next to the JSONL metrics, read by TensorBoard's own reader
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    losses = {e.step: e.value for e in acc.Scalars("train/loss")}
+    steps = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert losses == pytest.approx({m["step"]: m["loss"] for m in steps}, rel=1e-6)
+    assert [e.value for e in acc.Scalars("eval/success")] == pytest.approx(
+        [evals["initial"]["success"], evals["final"]["success"]]
+    )
 
 
 def test_sync_mode_trains_each_batch_on_the_current_policy_only(
