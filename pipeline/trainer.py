@@ -37,7 +37,7 @@ from pipeline.checkpoint import save_params
 from pipeline.codec import AvroCodec, TrajectoryCodec, TrajectoryHeaders
 from pipeline.errors import InvalidConfigError, RecordDecodeError
 from pipeline.grpo import GRPOConfig, init_state, make_train_step
-from pipeline.kafka import KafkaConfig
+from pipeline.kafka import MAX_MESSAGE_BYTES, KafkaConfig
 from pipeline.ledger import Ledger
 from pipeline.model import ModelConfig, init_model
 from pipeline.positions import PositionTracker
@@ -72,6 +72,12 @@ class TrainerConfig:
     seed: int = 0
     trainer_id: str = dataclasses.field(default_factory=lambda: f"trainer-{uuid.uuid4().hex[:6]}")
     step_delay_s: float = 0.0
+    #: how long a weights announcement may wait for the broker's acknowledgement before
+    #: training goes on (the record stays queued and is delivered later)
+    announce_timeout_s: float = 5.0
+    #: a record value larger than this goes to the dead-letter topic undecoded
+    #: ("oversized"), so no single record can make the trainer hold more than this
+    max_record_bytes: int = MAX_MESSAGE_BYTES
     instance: str = "0"
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
@@ -123,6 +129,7 @@ class Trainer:
         self.drops: Counter[str] = Counter()
         self.drops_by_env: Counter[str] = Counter()
         self.deadlettered = 0
+        self.commit_failures = 0
         self.trained = 0  # samples trained by this process
         self.last_metrics: dict[str, Any] = {}  # the latest step's metrics row
         self._started = time.monotonic()
@@ -290,6 +297,12 @@ class Trainer:
         if h.min_version is not None and h.min_version >= 0 and self._stale(h.min_version):
             return self._drop(None, where, "stale", env)
         try:
+            size = len(m.value() or b"")
+            if size > self.cfg.max_record_bytes:
+                raise RecordDecodeError(
+                    "oversized",
+                    f"{size} bytes, more than max_record_bytes {self.cfg.max_record_bytes}",
+                )
             with span("decode", "kafka"):
                 t = self.codec.decode(m.value() or b"")
             if t.tokenizer_id != TOKENIZER_ID:
@@ -570,7 +583,13 @@ class Trainer:
             for t, p in self.tracker.partitions()
         ]
         if offsets:
-            self.consumer.commit(offsets=offsets, asynchronous=False)
+            try:
+                self.consumer.commit(offsets=offsets, asynchronous=False)
+            except confluent_kafka.KafkaException as e:
+                # the checkpoint holds the positions, so nothing is lost or trained twice:
+                # only producers' view of the lag is behind until the next commit succeeds
+                self.commit_failures += 1
+                log.warning("offset commit failed (the next checkpoint retries): %s", e)
         if announce:
             with span("announce", "train", step=step, version=self.version):
                 self._announce(step, metrics or {})
@@ -588,13 +607,25 @@ class Trainer:
         self._prune_weights()
 
     def _announce_weights(self, path: Path, step: int, metrics: dict[str, float]) -> None:
-        announce(
-            self.producer,
-            self.cfg.namespace,
-            announcement(
-                self.version, step, path, self.cfg.model, TOKENIZER_ID, self.cfg.trainer_id, metrics
-            ),
-        )
+        try:
+            announce(
+                self.producer,
+                self.cfg.namespace,
+                announcement(
+                    self.version,
+                    step,
+                    path,
+                    self.cfg.model,
+                    TOKENIZER_ID,
+                    self.cfg.trainer_id,
+                    metrics,
+                ),
+                timeout=self.cfg.announce_timeout_s,
+            )
+        except TimeoutError:
+            # the record stays queued in the client and is delivered when the cluster
+            # answers again (within the delivery timeout); training goes on meanwhile
+            log.warning("announcement of version %d not acknowledged yet", self.version)
 
     def _prune_weights(self) -> None:
         import shutil
