@@ -70,6 +70,10 @@ def replication_settings(nodes: int) -> dict[str, str]:
     }
 
 
+SCRAM_MECHANISM = "SCRAM-SHA-512"
+_SCRAM_SAFE = re.compile(r"[A-Za-z0-9!#$%&()*+\-./:;<>?@^_{|}~]{1,128}")
+
+
 @dataclass(frozen=True)
 class BrokerConfig:
     """Where and how the local broker runs."""
@@ -83,12 +87,43 @@ class BrokerConfig:
     stop_grace_s: float = 30.0
     kafka_home: Path | None = None
     extra: dict[str, str] = field(default_factory=dict)
+    #: with a user, clients must authenticate with SASL/SCRAM-SHA-512 as this user (the
+    #: credential is stored when the data directory is formatted)
+    sasl_username: str | None = None
+    sasl_password: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.nodes > 9:
             raise InvalidConfigError(f"nodes must be between 1 and 9, got {self.nodes}")
         if not 1024 <= self.port <= 65535 - 2 * self.nodes:
             raise InvalidConfigError(f"port {self.port} is out of range")
+        if (self.sasl_username is None) != (self.sasl_password is None):
+            raise InvalidConfigError("SASL needs both a user name and a password")
+        for what, value in (("user name", self.sasl_username), ("password", self.sasl_password)):
+            if value is not None and not _SCRAM_SAFE.fullmatch(value):
+                raise InvalidConfigError(
+                    f"the SASL {what} must be 1-128 characters of letters, digits and "
+                    "!#$%&()*+-./:;<>?@^_{|}~ (no quotes, commas, '=', brackets or spaces)"
+                )
+
+    @property
+    def sasl(self) -> bool:
+        return self.sasl_username is not None
+
+    @property
+    def security_protocol(self) -> str:
+        return "SASL_PLAINTEXT" if self.sasl else "PLAINTEXT"
+
+    def client_security(self) -> dict[str, str]:
+        """librdkafka settings a client needs for this broker (the broker's own user)."""
+        if not self.sasl:
+            return {}
+        return {
+            "security.protocol": "sasl_plaintext",
+            "sasl.mechanism": SCRAM_MECHANISM,
+            "sasl.username": self.sasl_username or "",
+            "sasl.password": self.sasl_password or "",
+        }
 
     def client_port(self, i: int) -> int:
         return self.port + 2 * i
@@ -250,12 +285,20 @@ class LocalBroker:
             node_dir = self.data_dir / f"node-{i}"
             props = node_dir / "server.properties"
             node_dir.mkdir(parents=True, exist_ok=True)
+            props.touch(mode=0o600)  # it may hold the SASL password
+            props.chmod(0o600)
             props.write_text(self._properties_text(i))
             if not (node_dir / "data" / "meta.properties").exists():
                 self._format(java, lib, home, props, cluster_id, node_dir)
             nodes.append(self._launch(java, lib, home, props, node_dir, i))
         state = {
             "bootstrap": cfg.bootstrap,
+            "security_protocol": cfg.security_protocol,
+            **(
+                {"sasl_mechanism": SCRAM_MECHANISM, "sasl_username": cfg.sasl_username}
+                if cfg.sasl
+                else {}
+            ),
             "cluster_id": cluster_id,
             "nodes": nodes,
             "started_at": time.time(),
@@ -273,18 +316,31 @@ class LocalBroker:
         """``server.properties`` of node ``i``."""
         cfg = self.config
         voters = ",".join(f"{j + 1}@{cfg.host}:{cfg.controller_port(j)}" for j in range(cfg.nodes))
+        client = cfg.security_protocol  # the client listener's name and protocol
         props = {
             "process.roles": "broker,controller",
             "node.id": str(i + 1),
             "controller.quorum.voters": voters,
-            "listeners": f"PLAINTEXT://{cfg.host}:{cfg.client_port(i)},"
+            "listeners": f"{client}://{cfg.host}:{cfg.client_port(i)},"
             f"CONTROLLER://{cfg.host}:{cfg.controller_port(i)}",
-            "advertised.listeners": f"PLAINTEXT://{cfg.host}:{cfg.client_port(i)}",
+            "advertised.listeners": f"{client}://{cfg.host}:{cfg.client_port(i)}",
             "controller.listener.names": "CONTROLLER",
-            "inter.broker.listener.name": "PLAINTEXT",
-            "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+            "inter.broker.listener.name": client,
+            "listener.security.protocol.map": f"CONTROLLER:PLAINTEXT,{client}:{client}",
             "log.dirs": str(self.data_dir / f"node-{i}" / "data"),
         }
+        if cfg.sasl:
+            # brokers talk to each other over the same listener, as the same user
+            props.update(
+                {
+                    "sasl.enabled.mechanisms": SCRAM_MECHANISM,
+                    "sasl.mechanism.inter.broker.protocol": SCRAM_MECHANISM,
+                    f"listener.name.sasl_plaintext.{SCRAM_MECHANISM.lower()}.sasl.jaas.config": (
+                        "org.apache.kafka.common.security.scram.ScramLoginModule required "
+                        f'username="{cfg.sasl_username}" password="{cfg.sasl_password}";'
+                    ),
+                }
+            )
         props.update(WORKLOAD_SETTINGS)
         props.update(replication_settings(cfg.nodes))
         props.update(cfg.extra)
@@ -330,6 +386,11 @@ class LocalBroker:
             str(props),
             "--ignore-formatted",
         ]
+        if self.config.sasl:
+            c = self.config
+            cmd.append(
+                f"--add-scram={SCRAM_MECHANISM}=[name={c.sasl_username},password={c.sasl_password}]"
+            )
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise BrokerError(
@@ -363,7 +424,13 @@ class LocalBroker:
         from confluent_kafka.admin import AdminClient
 
         deadline = time.monotonic() + self.config.start_timeout_s
-        admin = AdminClient({"bootstrap.servers": state["bootstrap"], "log_level": 0})
+        admin = AdminClient(
+            {
+                "bootstrap.servers": state["bootstrap"],
+                "log_level": 0,
+                **self.config.client_security(),
+            }
+        )
         want = len(state["nodes"])
         while True:
             for node in state["nodes"]:
@@ -451,7 +518,13 @@ class LocalBroker:
             from confluent_kafka.admin import AdminClient
 
             try:
-                admin = AdminClient({"bootstrap.servers": state["bootstrap"], "log_level": 0})
+                admin = AdminClient(
+                    {
+                        "bootstrap.servers": state["bootstrap"],
+                        "log_level": 0,
+                        **self.config.client_security(),
+                    }
+                )
                 answering = len(admin.list_topics(timeout=5).brokers) > 0
             except Exception:
                 answering = False

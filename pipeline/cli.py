@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import RlstreamError
-from pipeline.kafka import KafkaConfig, SecurityConfig
+from pipeline.kafka import KafkaConfig, SecurityConfig, check_access
 
 log = logging.getLogger("rlstream")
 
@@ -145,9 +145,16 @@ def kafka_config(args: argparse.Namespace, bootstrap: str | None = None) -> Kafk
         password=args.sasl_password,
         ssl_ca_location=args.ssl_ca,
     )
-    return KafkaConfig(
+    kafka = KafkaConfig(
         bootstrap=bootstrap or args.bootstrap or "127.0.0.1:9092", security=security, extra=extra
     )
+    if kafka not in _CHECKED:  # once per process: refused credentials fail here, clearly
+        check_access(kafka)
+        _CHECKED.append(kafka)
+    return kafka
+
+
+_CHECKED: list[KafkaConfig] = []
 
 
 class Cluster:
@@ -232,7 +239,16 @@ def start_telemetry(args: argparse.Namespace, kafka: KafkaConfig | None, process
 def cmd_broker(args: argparse.Namespace) -> int:
     from pipeline.broker import BrokerConfig, LocalBroker
 
-    broker = LocalBroker(BrokerConfig(data_dir=args.data_dir, nodes=args.nodes, port=args.port))
+    password = args.broker_sasl_password or os.environ.get("RLSTREAM_SASL_PASSWORD")
+    broker = LocalBroker(
+        BrokerConfig(
+            data_dir=args.data_dir,
+            nodes=args.nodes,
+            port=args.port,
+            sasl_username=args.broker_sasl_username,
+            sasl_password=password if args.broker_sasl_username else None,
+        )
+    )
     if args.action == "start":
         was_running = broker.running()
         state = broker.start()
@@ -242,11 +258,13 @@ def cmd_broker(args: argparse.Namespace) -> int:
             args,
             {
                 "bootstrap": state["bootstrap"],
+                "security_protocol": state.get("security_protocol", "PLAINTEXT"),
                 "nodes": state["nodes"],
                 "already_running": was_running,
             },
             f"broker {word} bootstrap={state['bootstrap']} nodes={len(state['nodes'])} "
-            f"pids={pids} data_dir={broker.data_dir}",
+            f"security={state.get('security_protocol', 'PLAINTEXT')} pids={pids} "
+            f"data_dir={broker.data_dir}",
         )
         return 0
     if args.action == "stop":
@@ -776,6 +794,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="1, or 3 for a local cluster with replication 3 and min.insync.replicas 2",
     )
     add_broker_args(p)
+    p.add_argument(
+        "--sasl-username",
+        dest="broker_sasl_username",
+        default=None,
+        help="start: clients must authenticate with SASL/SCRAM-SHA-512 as this user (set "
+        "when the data directory is first formatted)",
+    )
+    p.add_argument(
+        "--sasl-password",
+        dest="broker_sasl_password",
+        default=None,
+        help="its password (env RLSTREAM_SASL_PASSWORD; prefer the variable to the flag)",
+    )
     add_json_arg(p)
     p.set_defaults(func=cmd_broker)
 

@@ -91,3 +91,7 @@ class BrokerError(RlstreamError):
 
 class MissingToolError(BrokerError):
     """A program the local broker needs (Java 17+, Maven) is not installed."""
+
+
+class KafkaAuthError(KafkaClientError):
+    """The cluster refused this client's credentials (SASL or TLS)."""

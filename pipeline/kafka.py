@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from typing import Any
 import confluent_kafka
 from confluent_kafka import admin as kafka_admin
 
-from pipeline.errors import InvalidConfigError, KafkaClientError
+from pipeline.errors import InvalidConfigError, KafkaAuthError, KafkaClientError
 
 log = logging.getLogger(__name__)
 #: librdkafka's own log lines go here (connection chatter is INFO; warnings show).
@@ -57,6 +58,15 @@ class SecurityConfig:
             )
         if self.protocol.startswith("SASL") and not (self.username and self.password):
             raise InvalidConfigError(f"{self.protocol} needs a username and a password")
+
+    def describe(self) -> str:
+        """Who this client is, for messages (never the password)."""
+        if self.protocol.startswith("SASL"):
+            return (
+                f"user {self.username!r} ({self.sasl_mechanism or 'SCRAM-SHA-512'} over "
+                f"{self.protocol})"
+            )
+        return f"a {self.protocol} client"
 
     def librdkafka(self) -> dict[str, str]:
         out = {"security.protocol": self.protocol.lower()}
@@ -167,6 +177,93 @@ class KafkaConfig:
 
     def admin(self) -> kafka_admin.AdminClient:
         return kafka_admin.AdminClient(self.admin_config())
+
+
+_AUTH_CODES = {
+    confluent_kafka.KafkaError._AUTHENTICATION,
+    confluent_kafka.KafkaError.SASL_AUTHENTICATION_FAILED,
+    confluent_kafka.KafkaError._SSL,
+}
+
+
+def check_access(kafka: KafkaConfig, timeout_s: float = 60.0) -> None:
+    """Fail at once, and say why, when the cluster refuses this client's credentials
+    (:class:`KafkaAuthError`), or after ``timeout_s`` when no broker answers; return when
+    the cluster answers a metadata request."""
+    seen: list[confluent_kafka.KafkaError] = []
+    logged: list[str] = []  # librdkafka's own log lines (connection failures come only there)
+    handler = _Collect(logged)
+    check_log = logging.getLogger("rlstream.kafka.check")
+    check_log.propagate = False  # folded into the one error below instead
+    check_log.addHandler(handler)
+    conf = kafka.admin_config()
+    conf["error_cb"] = seen.append
+    conf["logger"] = check_log
+    admin = kafka_admin.AdminClient(conf)
+    try:
+        _check(kafka, admin, seen, logged, timeout_s)
+    finally:
+        check_log.removeHandler(handler)
+
+
+class _Collect(logging.Handler):
+    def __init__(self, into: list[str]) -> None:
+        super().__init__()
+        self.into = into
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.into.append(record.getMessage())
+
+
+def _check(
+    kafka: KafkaConfig,
+    admin: kafka_admin.AdminClient,
+    seen: list[confluent_kafka.KafkaError],
+    logged: list[str],
+    timeout_s: float,
+) -> None:
+    start = time.monotonic()
+    deadline = start + timeout_s
+    who = kafka.security.describe()
+    while True:
+        try:
+            admin.list_topics(timeout=1)
+            return
+        except confluent_kafka.KafkaException as e:
+            seen.append(e.args[0])
+        admin.poll(0.2)  # serves error_cb: an authentication failure arrives there
+        refused = [
+            e for e in seen if isinstance(e, confluent_kafka.KafkaError) and e.code() in _AUTH_CODES
+        ]
+        if refused:
+            raise KafkaAuthError(
+                f"Kafka at {kafka.bootstrap} refused {who}: {refused[0].str()}. Check the "
+                "user name and password (--sasl-username, RLSTREAM_SASL_PASSWORD), the "
+                "mechanism (--sasl-mechanism) and --security-protocol"
+            )
+        closed = [line for line in logged if "closed by peer" in line]
+        if len(closed) >= 3 and time.monotonic() - start > min(10.0, timeout_s):
+            # the broker accepts the connection and hangs up at once: it speaks another
+            # security protocol (SASL or TLS) than this client
+            raise KafkaAuthError(
+                f"Kafka at {kafka.bootstrap} closed every connection of {who} "
+                f"({closed[-1].split(': ', 1)[-1]}): "
+                "it expects another security protocol; give --security-protocol (and "
+                "--sasl-mechanism, --sasl-username, RLSTREAM_SASL_PASSWORD or --ssl-ca)"
+            )
+        if time.monotonic() > deadline:
+            last = (
+                logged[-1].split(": ", 1)[-1]
+                if logged
+                else seen[-1].str()
+                if seen and isinstance(seen[-1], confluent_kafka.KafkaError)
+                else "no answer"
+            )
+            raise KafkaClientError(
+                f"no Kafka broker at {kafka.bootstrap} answered within {timeout_s:.0f}s as "
+                f"{who} ({last}); is it running, and does it expect this security protocol?",
+                retriable=True,
+            )
 
 
 def redact(conf: Mapping[str, Any]) -> dict[str, Any]:

@@ -4,6 +4,8 @@ kept out of logs, docker-compose agreeing with the local broker."""
 from __future__ import annotations
 
 import re
+import socket
+import time
 import uuid
 from pathlib import Path
 
@@ -17,8 +19,15 @@ from pipeline.broker import (
     LocalBroker,
     replication_settings,
 )
-from pipeline.errors import InvalidConfigError, KafkaClientError
-from pipeline.kafka import MAX_MESSAGE_BYTES, KafkaConfig, SecurityConfig, redact, wrap_error
+from pipeline.errors import InvalidConfigError, KafkaAuthError, KafkaClientError
+from pipeline.kafka import (
+    MAX_MESSAGE_BYTES,
+    KafkaConfig,
+    SecurityConfig,
+    check_access,
+    redact,
+    wrap_error,
+)
 from pipeline.topics import namespace_topics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,6 +126,41 @@ def test_broker_config_is_validated() -> None:
         BrokerConfig(nodes=0)
     with pytest.raises(InvalidConfigError):
         BrokerConfig(port=80)
+
+
+def test_a_scram_broker_requires_authentication_on_its_client_listener() -> None:
+    cfg = BrokerConfig(data_dir=Path("/tmp/x"), port=20000, sasl_username="u", sasl_password="p!w")
+    props = LocalBroker(cfg).properties(0)
+    assert props["listeners"] == "SASL_PLAINTEXT://127.0.0.1:20000,CONTROLLER://127.0.0.1:20001"
+    assert props["inter.broker.listener.name"] == "SASL_PLAINTEXT"
+    assert props["sasl.enabled.mechanisms"] == "SCRAM-SHA-512"
+    jaas = props["listener.name.sasl_plaintext.scram-sha-512.sasl.jaas.config"]
+    assert 'username="u" password="p!w";' in jaas
+    assert cfg.client_security()["sasl.username"] == "u"
+    assert "p!w" not in repr(cfg)
+    with pytest.raises(InvalidConfigError, match="both a user name and a password"):
+        BrokerConfig(sasl_username="u")
+    for bad in ('a"b', "a,b", "a b", "a=b", "a]b", ""):
+        with pytest.raises(InvalidConfigError, match="SASL password"):
+            BrokerConfig(sasl_username="u", sasl_password=bad)
+
+
+def test_an_unreachable_cluster_is_reported_with_who_asked() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once closed
+    kafka = KafkaConfig(
+        bootstrap=f"127.0.0.1:{port}",
+        security=SecurityConfig(protocol="SASL_PLAINTEXT", username="ann", password="x"),
+    )
+    start = time.monotonic()
+    with pytest.raises(
+        KafkaClientError, match=f"no Kafka broker at 127.0.0.1:{port} answered"
+    ) as e:
+        check_access(kafka, timeout_s=2)
+    assert "user 'ann' (SCRAM-SHA-512 over SASL_PLAINTEXT)" in str(e.value)
+    assert not isinstance(e.value, KafkaAuthError)
+    assert time.monotonic() - start < 10
 
 
 def _compose_env() -> dict[str, dict[str, str]]:
