@@ -499,6 +499,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
                 "lag": st.lag,
                 "version": p.version,
                 "sent": p.writer.sent,
+                "delivered": p.writer.delivered,
                 "failed": p.writer.failed,
                 "connectors": connector_stats.snapshot(),
             }

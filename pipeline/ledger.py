@@ -81,5 +81,19 @@ def read_ledger(path: Path) -> list[dict[str, Any]]:
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
 
 
+def outcomes(entries: list[dict[str, Any]]) -> dict[tuple[str, int, int], list[str]]:
+    """What happened to each record the ledger settled, by (topic, partition, offset):
+    ``"trained"`` or the drop reason, once per time it was settled (so a list longer than
+    one means a record was trained or dropped twice)."""
+    seen: dict[tuple[str, int, int], list[str]] = {}
+    for e in entries:
+        for _tid, topic, part, off in e["trained"]:
+            seen.setdefault((topic, part, off), []).append("trained")
+        for _tid, topic, part, off, reason in e["dropped"]:
+            for o in range(*off) if isinstance(off, list) else (off,):
+                seen.setdefault((topic, part, o), []).append(reason)
+    return seen
+
+
 def drop_counts(entries: list[dict[str, Any]]) -> Counter[str]:
     return Counter(d[4] for e in entries for d in e["dropped"])

@@ -1,0 +1,198 @@
+"""Helpers of the fault-injection suite: a trainer and producers as separate OS processes
+against one cluster, and what the topics and the ledger say afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import confluent_kafka
+
+from pipeline.kafka import KafkaConfig
+from pipeline.ledger import outcomes, read_ledger
+from pipeline.topics import rollout_topic
+from pipeline.transport import Decoded, TrajectoryReader
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pipeline.cli", *args]
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f}s waiting for {what}"
+        time.sleep(0.5)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written
+            pass
+    return out
+
+
+class Pipeline:
+    """``rlstream train`` and ``rlstream produce`` processes of one namespace, with their
+    logs, status files and metrics in ``run_dir``."""
+
+    def __init__(
+        self, bootstrap: str, namespace: str, run_dir: Path, env: dict[str, str] | None = None
+    ) -> None:
+        self.bootstrap, self.namespace, self.run_dir = bootstrap, namespace, run_dir
+        self.env = {**os.environ, **(env or {})}
+        self.procs: list[subprocess.Popen[str]] = []
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        (run_dir / "producers").mkdir(exist_ok=True)
+
+    def _start(self, name: str, args: list[str]) -> subprocess.Popen[str]:
+        log = (self.run_dir / "logs" / f"{name}.log").open("a")
+        proc = subprocess.Popen(
+            cli(*args, "--bootstrap", self.bootstrap, "--namespace", self.namespace),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+            env=self.env,
+        )
+        log.close()
+        self.procs.append(proc)
+        return proc
+
+    def trainer(self, *extra: str) -> subprocess.Popen[str]:
+        return self._start(
+            "trainer",
+            [
+                "train",
+                "--run-dir",
+                str(self.run_dir),
+                "--groups-per-batch",
+                "2",
+                "--group-size",
+                "4",
+                "--publish-every",
+                "1",
+                "--batch-timeout-s",
+                "3",
+                "--group-timeout-s",
+                "60",
+                *extra,
+            ],
+        )
+
+    def producer(self, name: str, *extra: str) -> subprocess.Popen[str]:
+        return self._start(
+            name,
+            [
+                "produce",
+                "--env",
+                "guess",
+                "--producer-id",
+                name,
+                "--group-size",
+                "4",
+                "--max-new-tokens",
+                "4",
+                "--partitions",
+                "2",
+                "--checkpoint-root",
+                str(self.run_dir),
+                "--status-file",
+                str(self.run_dir / "producers" / f"{name}.jsonl"),
+                "--json",
+                *extra,
+            ],
+        )
+
+    def log(self, name: str) -> str:
+        path = self.run_dir / "logs" / f"{name}.log"
+        return path.read_text()[-3000:] if path.exists() else ""
+
+    def steps(self) -> list[dict[str, Any]]:
+        return read_jsonl(self.run_dir / "metrics.jsonl")
+
+    def last_step(self) -> int:
+        steps = self.steps()
+        return steps[-1]["step"] if steps else 0
+
+    def status(self, name: str) -> list[dict[str, Any]]:
+        return read_jsonl(self.run_dir / "producers" / f"{name}.jsonl")
+
+    def result(self, name: str) -> dict[str, Any]:
+        """The producer's final JSON line (after it exited)."""
+        lines = [ln for ln in self.log(name).splitlines() if ln.startswith("{")]
+        assert lines, f"{name} printed no result:\n{self.log(name)}"
+        return json.loads(lines[-1])
+
+    def outcomes(self) -> dict[tuple[str, int, int], list[str]]:
+        path = self.run_dir / "ledger.jsonl"
+        return outcomes(read_ledger(path)) if path.exists() else {}
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
+
+
+def topic_records(
+    kafka: KafkaConfig, namespace: str, env: str = "guess"
+) -> dict[tuple[str, int, int], Decoded]:
+    """Every record of the environment's rollout topic, decoded (a record that does not
+    decode fails the test), by (topic, partition, offset)."""
+    topic = rollout_topic(namespace, env)
+    consumer = kafka.consumer(None)
+    md = consumer.list_topics(topic, timeout=10)
+    total = 0
+    for p in md.topics[topic].partitions:
+        low, high = consumer.get_watermark_offsets(
+            confluent_kafka.TopicPartition(topic, p), timeout=10
+        )
+        total += high - low
+    consumer.close()
+    reader = TrajectoryReader(kafka, [topic], f"{namespace}.audit-{time.monotonic_ns()}")
+    out: dict[tuple[str, int, int], Decoded] = {}
+    try:
+        for r in reader.read(total, timeout=120):
+            assert isinstance(r, Decoded), f"a record in {topic} does not decode: {r}"
+            out[(r.where.topic, r.where.partition, r.where.offset)] = r
+    finally:
+        reader.close()
+    assert len(out) == total
+    return out
+
+
+def assert_exactly_once(
+    pipeline: Pipeline, produced: dict[tuple[str, int, int], Decoded], timeout: float = 240
+) -> dict[tuple[str, int, int], list[str]]:
+    """Wait until the trainer has settled every produced record, then check that each was
+    trained or dropped exactly once, and that no trajectory id was trained twice."""
+    wait_for(
+        lambda: set(pipeline.outcomes()) >= set(produced),
+        timeout,
+        f"the trainer to settle all {len(produced)} records\n{pipeline.log('trainer')}",
+    )
+    seen = pipeline.outcomes()
+    twice = {k: v for k, v in seen.items() if len(v) > 1}
+    assert not twice, f"settled more than once: {list(twice.items())[:5]}"
+    ids = [t[0] for e in read_ledger(pipeline.run_dir / "ledger.jsonl") for t in e["trained"]]
+    assert len(ids) == len(set(ids))
+    return seen
