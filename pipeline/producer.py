@@ -168,6 +168,7 @@ class RolloutProducer:
         self._sync_version = 0
         self._sync_started = 0
         self._started = time.monotonic()
+        self._delivered_at_poll = 0  # records acknowledged when the last lag poll began
 
     @property
     def version(self) -> int:
@@ -308,13 +309,18 @@ class RolloutProducer:
 
     def _admit(self) -> bool:
         """Admission control: may a new group start now? Records the trainer has not read
-        (polled) plus episodes in flight (exact) stay within the staleness budget."""
+        (polled, plus those written since) and episodes in flight (exact) stay within the
+        staleness budget."""
         adm = self.cfg.admission
         if adm.max_staleness < 0:
             return True
         st = self.stats
         in_flight = st.started - sum(st.finished.values()) - st.dropped
-        outstanding = st.lag + in_flight
+        # The polled lag counts the records Kafka held when the poll began; the records
+        # this producer wrote since (those not acknowledged by then, to be safe) count
+        # too, or a slow poll would let it start groups on a stale figure.
+        unpolled = self.writer.sent - self._delivered_at_poll
+        outstanding = st.lag + unpolled + in_flight
         # (one group may always start when nothing is outstanding)
         paused = outstanding > 0 and (
             outstanding + self.cfg.group_size > adm.max_staleness * adm.trainer_batch
@@ -386,7 +392,9 @@ class RolloutProducer:
         try:
             while True:
                 try:
+                    delivered = self.writer.serve()
                     self.stats.lag = await asyncio.to_thread(monitor.lag)
+                    self._delivered_at_poll = delivered
                 except confluent_kafka.KafkaException as e:  # e.g. coordinator loading
                     log.warning("lag unknown, keeping the last value: %s", e)
                 if self.stats.paused:
