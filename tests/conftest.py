@@ -16,13 +16,14 @@ import pytest
 from pipeline.kafka import KafkaConfig
 
 
-def free_port_pair() -> int:
-    """A port p such that p and p + 1 are free (client and controller), below the
-    kernel's ephemeral range so that no client connection takes it before the broker."""
+def free_port_pair(count: int = 2) -> int:
+    """A port p such that p ... p + count - 1 are free (client and controller of each
+    node), below the kernel's ephemeral range so that no client connection takes them
+    before the broker."""
     rng = random.Random()
     for _ in range(200):
         port = rng.randrange(20000, 32000, 2)
-        if all(_free(p) for p in (port, port + 1)):
+        if all(_free(p) for p in range(port, port + count)):
             return port
     raise RuntimeError("no free port pair")
 

@@ -16,6 +16,7 @@ import confluent_kafka
 
 from pipeline.kafka import KafkaConfig
 from pipeline.ledger import outcomes, read_ledger
+from pipeline.report import read_jsonl
 from pipeline.topics import rollout_topic
 from pipeline.transport import Decoded, TrajectoryReader
 
@@ -31,18 +32,6 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
     while not predicate():
         assert time.monotonic() < deadline, f"timed out after {timeout:.0f}s waiting for {what}"
         time.sleep(0.5)
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # a line being written
-            pass
-    return out
 
 
 class Pipeline:
@@ -196,3 +185,17 @@ def assert_exactly_once(
     ids = [t[0] for e in read_ledger(pipeline.run_dir / "ledger.jsonl") for t in e["trained"]]
     assert len(ids) == len(set(ids))
     return seen
+
+
+def assert_delivered_once(
+    pipeline: Pipeline, kafka: KafkaConfig, producer: str, episodes: int
+) -> None:
+    """The producer (exited) delivered all ``episodes`` without a failure; the topic holds
+    each exactly once; the trainer settled each exactly once."""
+    figures = pipeline.result(producer)["figures"]
+    assert figures["delivery_failed"] == 0
+    records = topic_records(kafka, pipeline.namespace)
+    assert len(records) == figures["delivered"] == figures["sent"] == episodes
+    ids = [r.trajectory.trajectory_id for r in records.values()]
+    assert len(set(ids)) == len(ids)
+    assert_exactly_once(pipeline, records)

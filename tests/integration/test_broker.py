@@ -111,7 +111,7 @@ def test_missing_maven_says_what_to_install(
 
 @pytest.mark.slow
 def test_three_node_cluster(tmp_path: Path) -> None:
-    broker = LocalBroker(BrokerConfig(data_dir=tmp_path, nodes=3, port=free_port_pair()))
+    broker = LocalBroker(BrokerConfig(data_dir=tmp_path, nodes=3, port=free_port_pair(6)))
     try:
         state = broker.start()
         assert len(state["nodes"]) == 3

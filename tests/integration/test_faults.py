@@ -30,6 +30,7 @@ from tests.conftest import free_port_pair
 from tests.integration.faults import (
     ROOT,
     Pipeline,
+    assert_delivered_once,
     assert_exactly_once,
     cli,
     topic_records,
@@ -86,7 +87,9 @@ def test_a_killed_producer_leaves_no_partial_record_and_its_successor_loads_the_
 
 def _own_broker(tmp_path: Path, nodes: int = 1, **kw: str) -> LocalBroker:
     broker = LocalBroker(
-        BrokerConfig(data_dir=tmp_path / "broker", nodes=nodes, port=free_port_pair(), **kw)  # type: ignore[arg-type]
+        BrokerConfig(
+            data_dir=tmp_path / "broker", nodes=nodes, port=free_port_pair(2 * nodes), **kw
+        )  # type: ignore[arg-type]
     )
     broker.start()
     return broker
@@ -138,14 +141,8 @@ def test_the_single_broker_restarted_mid_run_loses_nothing_and_everyone_recovers
         )
         assert trainer_recovery <= 30 and producer_recovery <= 30
         assert producer.wait(600) == 0, p.log("producer-0")
-        figures = p.result("producer-0")["figures"]
-        assert figures["delivery_failed"] == 0
-        records = topic_records(kafka, namespace)
         # every acknowledged record is there, once (idempotent retries across the outage)
-        assert len(records) == figures["delivered"] == figures["sent"] == 320
-        ids = [r.trajectory.trajectory_id for r in records.values()]
-        assert len(set(ids)) == len(ids)
-        assert_exactly_once(p, records)
+        assert_delivered_once(p, kafka, "producer-0", 320)
     finally:
         p.stop()
         broker.stop()
@@ -180,14 +177,8 @@ def test_a_killed_broker_of_three_loses_no_acknowledged_record_and_training_goes
         new_leader = kafka.admin().list_topics(topic, timeout=10).topics[topic].partitions[0].leader
         assert new_leader not in (leader, -1)
         assert producer.wait(600) == 0, p.log("producer-0")
-        figures = p.result("producer-0")["figures"]
-        assert figures["delivery_failed"] == 0
-        records = topic_records(kafka, namespace)
         # acks=all with min.insync.replicas=2: every acknowledged record survived
-        assert len(records) == figures["delivered"] == 240
-        ids = [r.trajectory.trajectory_id for r in records.values()]
-        assert len(set(ids)) == len(ids)
-        assert_exactly_once(p, records)
+        assert_delivered_once(p, kafka, "producer-0", 240)
     finally:
         p.stop()
         broker.stop()
@@ -410,10 +401,15 @@ def test_a_slow_trainer_holds_producers_back_bounds_lag_and_trains_nothing_stale
     assert p.result("producer-0")["figures"]["paused_s"] > 5
     lags = [s["lag"] for s in steps]
     assert max(lags) <= budget + 16, lags
-    assert max(s["lag"] for s in status) <= budget + 16
+    # the producer's own (polled) view too: records it wrote since a poll count as well
+    producer_lags = [s["lag"] for s in status]
+    assert max(producer_lags) <= budget + 16, producer_lags
     # nothing staler than max_staleness was trained
     for s in steps:
         assert max(int(k) for k in s["staleness_hist"]) <= 2
     produced = sum(1 for _ in topic_records(kafka, namespace))
-    print(f"lag max {max(lags)} (budget {budget}); produced {produced} for 10 steps of 8")
-    assert produced <= 10 * 8 + budget + 16 + 16
+    print(
+        f"lag max {max(lags)} at train steps, {max(producer_lags)} as the producer saw it "
+        f"(budget {budget}); produced {produced} for 10 steps of 8"
+    )
+    assert produced <= 10 * 8 + budget + 2 * 16
