@@ -168,7 +168,7 @@ class RolloutProducer:
         self._sync_version = 0
         self._sync_started = 0
         self._started = time.monotonic()
-        self._delivered_at_poll = 0  # records acknowledged when the last lag poll began
+        self._sent_at_poll = 0  # records written when the last lag poll began
 
     @property
     def version(self) -> int:
@@ -317,9 +317,9 @@ class RolloutProducer:
         st = self.stats
         in_flight = st.started - sum(st.finished.values()) - st.dropped
         # The polled lag counts the records Kafka held when the poll began; the records
-        # this producer wrote since (those not acknowledged by then, to be safe) count
-        # too, or a slow poll would let it start groups on a stale figure.
-        unpolled = self.writer.sent - self._delivered_at_poll
+        # this producer wrote since count too, or a slow poll would let it start groups
+        # on a stale figure.
+        unpolled = self.writer.sent - self._sent_at_poll
         outstanding = st.lag + unpolled + in_flight
         # (one group may always start when nothing is outstanding)
         paused = outstanding > 0 and (
@@ -392,9 +392,9 @@ class RolloutProducer:
         try:
             while True:
                 try:
-                    delivered = self.writer.serve()
+                    sent = self.writer.sent
                     self.stats.lag = await asyncio.to_thread(monitor.lag)
-                    self._delivered_at_poll = delivered
+                    self._sent_at_poll = sent
                 except confluent_kafka.KafkaException as e:  # e.g. coordinator loading
                     log.warning("lag unknown, keeping the last value: %s", e)
                 if self.stats.paused:

@@ -74,12 +74,6 @@ class TrajectoryWriter:
         self.bytes += len(value)
         self._producer.poll(0)
 
-    def serve(self) -> int:
-        """Serve delivery reports that arrived (``delivered``/``failed`` move on even
-        when nothing is being written); returns the acknowledged count."""
-        self._producer.poll(0)
-        return self.delivered
-
     def _on_delivery(self, err: confluent_kafka.KafkaError | None, msg: Any) -> None:
         with self._lock:
             if err is None:
