@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from pipeline.ledger import read_ledger
+from tests.conftest import free_port_pair
 from tests.integration.test_cli import last_json
 
 pytestmark = pytest.mark.integration
@@ -88,31 +89,6 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.5)
 
 
-def free_ports(n: int) -> int:
-    """A base port with ``n`` consecutive free ports from it."""
-    import socket
-
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
-        try:
-            socks = []
-            for p in range(base, base + n):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise AssertionError("no consecutive free ports")
-
-
 def scrape_while(
     proc: subprocess.Popen[str], ports: dict[str, int]
 ) -> dict[str, list[dict[str, Any]]]:
@@ -148,7 +124,7 @@ def test_a_short_run_trains_reports_and_leaves_nothing_running(
     bootstrap: str, tmp_path: Path
 ) -> None:
     run_dir = tmp_path / "run"
-    base = free_ports(3)
+    base = free_port_pair(3)  # trainer and two producers
     proc = subprocess.Popen(
         [*run_args(bootstrap, run_dir), "--steps=3", "--producers=2", f"--metrics-port={base}"],
         stdout=subprocess.PIPE,
