@@ -140,6 +140,10 @@ class CompiledSchema:
             raise RecordDecodeError("truncated", "the bytes end inside a number") from None
         except UnicodeDecodeError as e:
             raise RecordDecodeError("invalid", f"string is not UTF-8 ({e.reason})") from None
+        except RecordDecodeError:
+            raise
+        except Exception as e:  # whatever else the bytes provoke is still a bad record
+            raise RecordDecodeError("invalid", f"{type(e).__name__}: {str(e)[:200]}") from None
 
 
 class _Generator:

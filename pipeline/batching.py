@@ -2,7 +2,10 @@
 
 :class:`GroupBuffer` holds trajectories until their GRPO group is complete (an incomplete
 group past its timeout is dropped; the buffer is bounded and drops its oldest groups when
-full). :func:`assemble` turns complete groups into a :class:`~pipeline.grpo.Batch`
+full). A member that repeats a group index or a trajectory id already in its group, or
+arrives for a group completed recently, is refused as ``duplicate``; one of another
+environment than its group as ``env_mismatch``: the caller settles it with that reason.
+:func:`assemble` turns complete groups into a :class:`~pipeline.grpo.Batch`
 padded to a length bucket, so that the jitted step sees a handful of shapes only.
 """
 
@@ -12,6 +15,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -33,32 +37,56 @@ class Group:
     size: int
     first_seen: float
     members: dict[int, Member] = field(default_factory=dict)
+    ids: set[str] = field(default_factory=set)
 
     @property
     def complete(self) -> bool:
         return len(self.members) == self.size
 
 
+class Refused(NamedTuple):
+    """A member the buffer would not take: ``duplicate`` or ``env_mismatch``."""
+
+    reason: str
+    detail: str
+
+
 class GroupBuffer:
     """Trajectories waiting for the rest of their group. ``add`` returns the group if it
-    just became complete; ``expired``/``overflow`` return groups to drop."""
+    just became complete, a :class:`Refused` for a member that cannot join it, or None;
+    ``expired``/``overflow`` return groups to drop. The ids of the last ``remember``
+    completed groups are kept, so that a late repeat of a trained group is refused."""
 
-    def __init__(self, max_records: int, timeout_s: float) -> None:
+    def __init__(self, max_records: int, timeout_s: float, remember: int = 65536) -> None:
         self.max_records = max_records
         self.timeout_s = timeout_s
         self._groups: OrderedDict[str, Group] = OrderedDict()
+        self._done: OrderedDict[str, None] = OrderedDict()
+        self._remember = remember
         self.records = 0
 
-    def add(self, t: Trajectory, where: Coordinates) -> Group | None:
+    def add(self, t: Trajectory, where: Coordinates) -> Group | Refused | None:
+        if t.group_id in self._done:
+            return Refused("duplicate", f"group {t.group_id[:80]} is already complete")
         g = self._groups.get(t.group_id)
         if g is None:
             g = self._groups[t.group_id] = Group(t.group_id, t.env, t.group_size, time.monotonic())
-        if t.group_index in g.members:  # a duplicate member: keep the first
-            return None
+        if t.group_index in g.members or t.trajectory_id in g.ids:  # the first one stays
+            return Refused(
+                "duplicate",
+                f"group {t.group_id[:80]} already holds index {t.group_index} or trajectory "
+                f"{t.trajectory_id[:80]}",
+            )
+        if t.env != g.env:
+            return Refused("env_mismatch", f"env {t.env[:80]!r} in a group of {g.env[:80]!r}")
         g.members[t.group_index] = Member(t, where)
+        g.ids.add(t.trajectory_id)
         self.records += 1
         if g.complete:
             self._remove(g.group_id)
+            self._done[g.group_id] = None
+            if len(self._done) > self._remember:
+                self._done.popitem(last=False)
             return g
         return None
 
@@ -143,7 +171,8 @@ def assemble(
     valid = np.zeros(rows, np.float32)
     r = 0
     for g in groups:
-        rewards = np.asarray([g.members[i].trajectory.reward for i in sorted(g.members)])
+        # float64 and bounded rewards (the trainer's contract): no statistic overflows
+        rewards = np.asarray([g.members[i].trajectory.reward for i in sorted(g.members)], float)
         adv = (rewards - rewards.mean()) / (rewards.std() + eps)
         for k, i in enumerate(sorted(g.members)):
             tr = g.members[i].trajectory

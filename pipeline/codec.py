@@ -31,6 +31,7 @@ from pipeline.trajectory import Timings, Trajectory, Turn, VersionSpan, find_vio
 MARKER = b"\xc3\x01"
 HEADER_SIZE = len(MARKER) + 8
 MAX_TENSOR_DIMS = 8
+MAX_TENSOR_EXTENT = 2**31
 
 
 def _dtypes() -> dict[str, np.dtype[Any]]:
@@ -53,18 +54,28 @@ _DTYPE_NAMES = {dt: name for name, dt in DTYPES.items()}
 
 
 def tensor_from_avro(dtype_name: str, shape: list[int], data: bytes) -> np.ndarray:
-    """The fields of a ``Tensor`` record as a read-only numpy array over ``data``."""
+    """The fields of a ``Tensor`` record as a read-only numpy array over ``data``.
+
+    The shape must describe exactly the bytes given, in at most :data:`MAX_TENSOR_DIMS`
+    non-negative dimensions whose non-zero ones multiply to at most ``2**31`` (so an
+    empty ``[2**62, 0]`` tensor is refused here instead of overflowing numpy)."""
     dtype = DTYPES[dtype_name]
-    count = 1
-    for d in shape:
+    count, extent = 1, 1
+    for d in shape[: MAX_TENSOR_DIMS + 1]:
         if d < 0:
-            count = -1
+            count = extent = -1
             break
         count *= d
-    if len(shape) > MAX_TENSOR_DIMS or count * dtype.itemsize != len(data):
+        extent *= max(d, 1)
+    if (
+        len(shape) > MAX_TENSOR_DIMS
+        or not 0 <= extent <= MAX_TENSOR_EXTENT
+        or count * dtype.itemsize != len(data)
+    ):
         raise RecordDecodeError(
             "tensor_mismatch",
-            f"{dtype_name}{shape} disagrees with its {len(data)} bytes of data",
+            f"{dtype_name}{list(shape[: MAX_TENSOR_DIMS + 1])} disagrees with its "
+            f"{len(data)} bytes of data",
         )
     return np.frombuffer(data, dtype=dtype).reshape(shape)
 
@@ -141,9 +152,12 @@ class AvroCodec:
         except Exception as e:  # resolution failures: a symbol or field the reader lacks
             raise RecordDecodeError(
                 "bad_enum" if "symbol" in str(e).lower() else "invalid",
-                f"cannot read {writer.name} into this version: {e}",
+                f"cannot read {writer.name} into this version: {str(e)[:200]}",
             ) from None
-        return self._plain_codec(self.schema).encode(value)
+        try:
+            return self._plain_codec(self.schema).encode(value)
+        except Exception as e:  # a resolved value this version cannot hold
+            raise RecordDecodeError("invalid", f"{type(e).__name__}: {str(e)[:200]}") from None
 
     def _plain_codec(self, schema: Schema) -> CompiledSchema:
         codec = self._plain.get(schema.fingerprint)

@@ -7,9 +7,11 @@ The conversation is kept as exactly the token sequence the sampler consumed and 
           <environment> observation <assistant> ...
 
 Policy tokens carry mask 1, their behaviour log-probability and the policy version that
-sampled them; everything else has mask 0. An exception in the environment ends the
-episode with ``env_error``, a step past its timeout with ``timeout``, a full context with
-``truncated``; each still becomes a record.
+sampled them; everything else has mask 0. An exception in the environment (or a reward
+that is not finite or past its bound) ends the episode with ``env_error``, a step past its
+timeout with ``timeout``, a context that cannot hold the next turn with ``truncated``;
+each still becomes a record. Observations are cut to ``max_observation_tokens``, and
+nothing is handed to the policy that does not fit in its context.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from typing import TypeVar
 import numpy as np
 
 from connectors.base import Environment, Task
+from pipeline.contract import MAX_ABS_REWARD
+from pipeline.errors import RlstreamError
 from pipeline.policy_server import PolicyServer, TurnResult
 from pipeline.telemetry import span, tracer
 from pipeline.tokenizer import ByteTokenizer
@@ -44,12 +48,17 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class EpisodeLimits:
-    """Bounds of one episode: tokens per policy turn, policy turns, and seconds."""
+    """Bounds of one episode: tokens per policy turn, policy turns, seconds, tokens of
+    one observation (prompt, tool result or environment answer; longer ones are cut),
+    and the magnitude of the episode's reward (an environment past it is an
+    ``env_error``: no record may carry a reward the trainer refuses)."""
 
     max_new_tokens: int = 8
     max_policy_turns: int = 8
     step_timeout_s: float = 10.0
     episode_timeout_s: float = 120.0
+    max_observation_tokens: int = 1024
+    max_abs_reward: float = MAX_ABS_REWARD
 
 
 @dataclass(frozen=True)
@@ -65,14 +74,16 @@ class GroupSlot:
 class _Recorder:
     """Accumulates tokens, mask, log-probabilities, versions and turns."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_observation_tokens: int) -> None:
         self.tokens: list[int] = []
         self.mask: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
         self.turns: list[Turn] = []
+        self.max_observation_tokens = max_observation_tokens
 
     def context(self, role: str, tokens: list[int], latency_s: float = 0.0, tool: str = "") -> None:
+        tokens = tokens[: self.max_observation_tokens]
         start = len(self.tokens)
         self.tokens += tokens
         self.mask += [0] * len(tokens)
@@ -114,7 +125,7 @@ async def run_episode(
     producer_id: str,
 ) -> Trajectory:
     """Play one episode in decode slot ``slot`` and return its trajectory."""
-    rec = _Recorder()
+    rec = _Recorder(limits.max_observation_tokens)
     started = time.time()
     gen_s = env_s = 0.0
     reward, status = 0.0, "ok"
@@ -148,6 +159,10 @@ async def run_episode(
         for turn_index in range(limits.max_policy_turns):
             t0 = time.perf_counter()
             feed = [*rec.tokens[fed:], assistant]
+            room = server.max_len if turn_index == 0 else server.engine.room(slot)
+            if len(feed) >= room:  # not even one token could be sampled after it
+                status = "truncated"
+                break
             with span("policy_turn", track):
                 turn = await server.generate(
                     slot, feed, limits.max_new_tokens, reset=turn_index == 0
@@ -173,6 +188,11 @@ async def run_episode(
             t0 = time.perf_counter()
             step = await timed(env.step(tokenizer.decode(turn.tokens)))
             reward += float(step.reward)
+            if not abs(reward) <= limits.max_abs_reward:  # also NaN and infinity
+                raise RewardOutOfBoundsError(
+                    f"reward {step.reward!r} brings the episode's to {reward!r}, past "
+                    f"{limits.max_abs_reward:g}"
+                )
             if step.done:
                 break
             rec.context(
@@ -222,6 +242,39 @@ async def run_episode(
         status=status,
         timings=Timings(int(started * 1000), int(time.time() * 1000), gen_s, env_s),
         metadata={"task": member.task.task_id},
+    )
+
+
+class RewardOutOfBoundsError(RlstreamError):
+    """An environment's reward is not finite or past the episode's bound."""
+
+
+def failed_trajectory(
+    member: GroupSlot, env: str, tokenizer_id: str, producer_id: str, error: str
+) -> Trajectory:
+    """The record of an episode that could not be recorded as played (e.g. its record
+    broke the contract): no tokens, reward 0, status ``env_error``, the error in its
+    metadata. Its group stays complete, and the failure is counted where it is trained."""
+    now = int(time.time() * 1000)
+    return Trajectory(
+        trajectory_id=str(uuid.uuid4()),
+        group_id=member.group_id,
+        group_size=member.group_size,
+        group_index=member.group_index,
+        task_id=member.task.task_id,
+        producer_id=producer_id,
+        env=env,
+        tokenizer_id=tokenizer_id,
+        tokens=np.zeros(0, TOKEN_DTYPE),
+        loss_mask=np.zeros(0, MASK_DTYPE),
+        logprobs=np.zeros(0, LOGPROB_DTYPE),
+        version_spans=[],
+        turns=[],
+        reward=0.0,
+        rewards={},
+        status="env_error",
+        timings=Timings(now, now),
+        metadata={"task": member.task.task_id[:200], "error": error[:500]},
     )
 
 

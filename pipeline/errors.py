@@ -34,7 +34,15 @@ class RecordDecodeError(RlstreamError, ValueError):
       every policy token;
     - ``non_finite``: a NaN or infinite reward or log-probability;
     - ``bad_enum``: an enum value (dtype, role, status) this reader does not know;
-    - ``invalid``: any other violation of the record's contract.
+    - ``invalid``: any other violation of the record's contract;
+    - ``bad_header``: Kafka headers that cannot be read (a name that is not UTF-8);
+    - ``oversized``: a value larger than the reader's bound, refused undecoded;
+    - ``tokenizer``: written with another tokenizer than the reader's;
+    - ``token_range``, ``bad_logprob``, ``reward_bound``, ``future_version``: the
+      training contract (:mod:`pipeline.contract`);
+    - ``duplicate``, ``env_mismatch``: a repeated or foreign member of a GRPO group;
+    - ``internal``: reading the record raised something unforeseen (the message names
+      it); the record is settled like any other refusal.
     """
 
     def __init__(self, reason: str, message: str) -> None:
@@ -55,7 +63,27 @@ DECODE_REASONS = (
     "non_finite",
     "bad_enum",
     "invalid",
+    "bad_header",
+    "oversized",
+    "tokenizer",
+    "token_range",
+    "bad_logprob",
+    "reward_bound",
+    "future_version",
+    "duplicate",
+    "env_mismatch",
+    "internal",
 )
+
+
+class TrainingDivergedError(RlstreamError):
+    """Training produced a non-finite loss, gradient or parameter too many times in a
+    row; nothing non-finite was applied, saved or announced."""
+
+
+class ProducerFailedError(RlstreamError):
+    """Every one of a producer's recent episodes failed; it stopped rather than fill the
+    rollout topics with failures."""
 
 
 class InvalidTrajectoryError(RlstreamError, ValueError):

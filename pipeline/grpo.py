@@ -68,6 +68,10 @@ class GRPOConfig:
         )
 
 
+#: log-ratios above this are capped before exp (exp(20) ~ 5e8, far past any clip range)
+_MAX_LOG_RATIO = 20.0
+
+
 class Batch(NamedTuple):
     """A training batch of fixed shape ``[B, T]`` (``B`` rows, padded to bucket ``T``).
 
@@ -134,12 +138,15 @@ def make_train_step(graphdef: Any, cfg: GRPOConfig, tx: optax.GradientTransforma
             prox = jax.lax.stop_gradient(logp)
         mask = mb.mask * mb.valid[:, None]
         adv = mb.advantage[:, None]
+        # log-ratios are capped before exp: past the cap both branches of the clipped
+        # objective are constant, so the cap changes no value or gradient, but an extreme
+        # behaviour log-probability can no longer make inf (and inf * 0 = NaN gradients)
         if cfg.correction == "decoupled":
-            ratio = jnp.exp(logp - prox)
-            weight = jnp.minimum(jnp.exp(prox - mb.behaviour), cfg.is_cap)
+            ratio = jnp.exp(jnp.minimum(logp - prox, _MAX_LOG_RATIO))
+            weight = jnp.exp(jnp.minimum(prox - mb.behaviour, jnp.log(cfg.is_cap)))
             unclipped = ratio * adv
         else:  # tis: the clipped ratio against the behaviour policy, truncated
-            ratio = jnp.exp(logp - mb.behaviour)
+            ratio = jnp.exp(jnp.minimum(logp - mb.behaviour, _MAX_LOG_RATIO))
             weight = jnp.ones_like(ratio)
             unclipped = jnp.minimum(ratio, cfg.is_cap) * adv
         clipped = jnp.clip(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high) * adv
@@ -151,7 +158,7 @@ def make_train_step(graphdef: Any, cfg: GRPOConfig, tx: optax.GradientTransforma
             per_token = per_token + cfg.kl_coef * kl_ref
             metrics["kl_ref"] = jnp.sum(kl_ref * mask) / n
         loss = _aggregate(per_token, mask, cfg.aggregation)
-        is_w = jnp.exp(prox - mb.behaviour)
+        is_w = jnp.exp(jnp.minimum(prox - mb.behaviour, _MAX_LOG_RATIO))
         metrics |= {
             "loss": loss,
             "clip_fraction": jnp.sum((clipped < unclipped) * mask) / n,
@@ -188,10 +195,32 @@ def make_train_step(graphdef: Any, cfg: GRPOConfig, tx: optax.GradientTransforma
             return (optax.apply_updates(params, updates), opt_state), metrics
 
         (params, opt_state), metrics = jax.lax.scan(update, (state.params, state.opt_state), split)
+        # A step whose loss, gradients or new parameters are not all finite is not
+        # applied: the state is returned unchanged and ``applied`` says so.
+        applied = jnp.logical_and(
+            jnp.all(jnp.isfinite(metrics["loss"])) & jnp.all(jnp.isfinite(metrics["grad_norm"])),
+            _all_finite(params),
+        )
         metrics = jax.tree.map(jnp.mean, metrics)
-        return TrainState(params, opt_state, state.step + 1, state.reference), metrics
+        metrics["applied"] = applied.astype(jnp.float32)
+        new = TrainState(params, opt_state, state.step + 1, state.reference)
+        return jax.tree.map(lambda a, b: jnp.where(applied, a, b), new, state), metrics
 
     return train_step
+
+
+def _all_finite(tree: Any) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
+def all_finite(tree: Any) -> bool:
+    """Whether every floating-point leaf of ``tree`` is finite (on the host)."""
+    return bool(
+        _all_finite(
+            [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)]
+        )
+    )
 
 
 def init_state(model: Transformer, tx: optax.GradientTransformation) -> tuple[Any, TrainState]:

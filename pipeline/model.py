@@ -31,12 +31,15 @@ class ModelConfig:
     max_len: int = 256
 
     def __post_init__(self) -> None:
+        sizes = dataclasses.astuple(self)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in sizes):
+            raise InvalidConfigError(f"model sizes must be integers: {str(self)[:300]}")
+        if min(sizes) < 1 or max(sizes) > 2**24:
+            raise InvalidConfigError(f"model sizes must lie in [1, 2**24]: {str(self)[:300]}")
         if self.d_model % self.num_heads:
             raise InvalidConfigError(
                 f"d_model {self.d_model} is not a multiple of num_heads {self.num_heads}"
             )
-        if min(self.vocab_size, self.d_model, self.num_layers, self.d_ff, self.max_len) < 1:
-            raise InvalidConfigError(f"model sizes must be positive: {self}")
 
     @property
     def head_dim(self) -> int:
@@ -47,7 +50,14 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, text: str) -> ModelConfig:
-        return cls(**json.loads(text))
+        """The configuration in ``text``; InvalidConfigError for anything else."""
+        try:
+            fields = json.loads(text)
+            return cls(**fields)
+        except InvalidConfigError:
+            raise
+        except (ValueError, TypeError, RecursionError) as e:
+            raise InvalidConfigError(f"not a model configuration: {str(e)[:200]}") from None
 
 
 #: Configurations by name: ``tiny`` for CPUs and tests, larger ones for accelerators.

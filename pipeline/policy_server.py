@@ -77,6 +77,11 @@ class PolicyServer:
     def version(self) -> int:
         return self.engine.version
 
+    @property
+    def max_len(self) -> int:
+        """Tokens one conversation may hold."""
+        return int(self.engine.cfg.max_len)
+
     def start(self) -> PolicyServer:
         self._thread.start()
         return self
@@ -184,6 +189,9 @@ class PolicyServer:
             return
         if req.reset:
             self.engine.reset(req.slot)
+        if len(req.tokens) > self.engine.room(req.slot):  # never past the context
+            req.loop.call_soon_threadsafe(_resolve, req.future, req.result)
+            return
         self.engine.append(req.slot, req.tokens)
         if req.max_new_tokens <= 0 or self.engine.room(req.slot) < 1:
             req.loop.call_soon_threadsafe(_resolve, req.future, req.result)

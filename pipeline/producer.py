@@ -26,8 +26,8 @@ import confluent_kafka
 
 from connectors import stats as connector_stats
 from connectors.base import close_shared, env_name, make
-from pipeline.episode import EpisodeLimits, GroupSlot, run_episode
-from pipeline.errors import InvalidConfigError
+from pipeline.episode import EpisodeLimits, GroupSlot, failed_trajectory, run_episode
+from pipeline.errors import InvalidConfigError, InvalidTrajectoryError, ProducerFailedError
 from pipeline.kafka import KafkaConfig
 from pipeline.model import ModelConfig, init_model
 from pipeline.policy_server import PolicyServer
@@ -71,6 +71,8 @@ class ProducerConfig:
     #: for the next version (the classic generate-then-train loop); None: asynchronous
     sync_batch: int | None = None
     max_episodes: int | None = None
+    #: stop (exit status non-zero) once this many episodes in a row failed; 0: never
+    max_consecutive_failures: int = 200
     grace_s: float = 5.0
     stop_sequences: tuple[str, ...] = ()
     checkpoint_roots: tuple[Path, ...] = ()
@@ -101,6 +103,8 @@ class ProducerStats:
     lag: int = 0
     #: synchronous mode: waiting for the trainer's next version
     waiting: bool = False
+    #: episodes that failed inside the producer (written as failed records)
+    failed: int = 0
 
 
 class LagMonitor:
@@ -165,6 +169,11 @@ class RolloutProducer:
                 self.server.swap,
             )
         self._rng = random.Random(cfg.seed)
+        self._env_name = env_name(cfg.env, cfg.env_options)
+        self._failures_in_a_row = 0
+        self.last_failure = ""
+        #: why the producer gave up (raised by ``run`` once everything is flushed)
+        self.failure: ProducerFailedError | None = None
         self._sync_version = 0
         self._sync_started = 0
         self._started = time.monotonic()
@@ -277,6 +286,8 @@ class RolloutProducer:
             if self.weights is not None:
                 self.weights.stop()
             self.writer.flush()
+        if self.failure is not None:
+            raise self.failure
         return self.stats
 
     async def _main(self) -> None:
@@ -364,21 +375,66 @@ class RolloutProducer:
         return [GroupSlot(gid, g, i, task) for i in range(g)]
 
     async def _episode(self, member: GroupSlot, slot: int, free: list[int]) -> None:
-        env = make(self.cfg.env, **self.cfg.env_options)
+        """Play one episode and write its record. Whatever fails on the way (the
+        episode itself, or a record that breaks the contract) still writes a record, a
+        :func:`failed_trajectory`, so that its group stays complete and the episode is
+        counted: nothing stays in flight."""
+        status = "env_error"
         try:
-            t = await run_episode(
-                env,
-                member,
-                self.server,
-                slot,
-                self.tokenizer,
-                self.cfg.limits,
-                self.cfg.producer_id,
-            )
+            try:
+                env = make(self.cfg.env, **self.cfg.env_options)
+                t = await run_episode(
+                    env,
+                    member,
+                    self.server,
+                    slot,
+                    self.tokenizer,
+                    self.cfg.limits,
+                    self.cfg.producer_id,
+                )
+            finally:
+                free.append(slot)
+            try:
+                self.writer.write(t)
+                status = t.status
+            except InvalidTrajectoryError as e:  # e.g. a policy that sampled NaN
+                self._failed(member, f"record refused: {e}")
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.warning("episode failed group=%s error=%r", member.group_id, e)
+            self._failed(member, f"{type(e).__name__}: {e}")
         finally:
-            free.append(slot)
-        self.writer.write(t)
-        self.stats.finished[t.status] += 1
+            self.stats.finished[status] += 1
+            self._note_outcome(status)
+
+    def _failed(self, member: GroupSlot, error: str) -> None:
+        self.stats.failed += 1
+        self.last_failure = error[:500]
+        record = failed_trajectory(
+            member, self._env_name, self.tokenizer.id, self.cfg.producer_id, error
+        )
+        try:
+            self.writer.write(record)
+        except Exception as e:  # counted, and the run of failures stops the producer
+            log.error("failed episode's record not written group=%s error=%r", member.group_id, e)
+
+    def _note_outcome(self, status: str) -> None:
+        """Stop the producer when the last ``max_consecutive_failures`` episodes all
+        failed (environment errors, time-outs, failures inside the producer)."""
+        if status in ("ok", "truncated"):
+            self._failures_in_a_row = 0
+            return
+        self._failures_in_a_row += 1
+        limit = self.cfg.max_consecutive_failures
+        if limit and self._failures_in_a_row >= limit and self.failure is None:
+            finished = dict(self.stats.finished)
+            self.failure = ProducerFailedError(
+                f"the last {self._failures_in_a_row} episodes all failed (finished so far "
+                f"by status: {finished}; failures inside the producer: {self.stats.failed}); "
+                f"last error: {self.last_failure or 'see the log'}"
+            )
+            self.stop_event.set()
 
     async def _admission(self) -> None:
         adm = self.cfg.admission

@@ -37,6 +37,10 @@ ROLLOUTS = ".rollouts."
 DAY_MS = 24 * 3600 * 1000
 
 
+TIMESTAMP_TYPE = "message.timestamp.type"
+LOG_APPEND_TIME = "LogAppendTime"
+
+
 def check_name(kind: str, name: str) -> str:
     if not _NAME.match(name):
         raise InvalidConfigError(
@@ -105,7 +109,14 @@ def namespace_topics(
         raise InvalidConfigError("give at least one environment (--envs a,b)")
     overrides = overrides or {}
     size = {"max.message.bytes": str(MAX_MESSAGE_BYTES)}
-    rollouts = {**size, "cleanup.policy": "delete", "retention.ms": str(7 * DAY_MS)}
+    # The broker stamps rollout records when it appends them, so that skipping a stale
+    # range by time (the trainer) never trusts a producer's clock.
+    rollouts = {
+        **size,
+        "cleanup.policy": "delete",
+        "retention.ms": str(7 * DAY_MS),
+        TIMESTAMP_TYPE: LOG_APPEND_TIME,
+    }
     weights = {
         **size,
         "cleanup.policy": "compact",
@@ -238,6 +249,13 @@ def describe_topics(
         action = (actions or {}).get(n, "exists")
         out.append(TopicState(n, len(parts), replication, action, configs.get(n, {})))
     return out
+
+
+def log_append_time(kafka: KafkaConfig, topic: str, timeout: float = 10.0) -> bool:
+    """Whether the broker assigns the timestamps of ``topic``'s records
+    (``message.timestamp.type=LogAppendTime``) rather than the producers."""
+    state = describe_topics(kafka, [topic], timeout=timeout)[0]
+    return state.config.get(TIMESTAMP_TYPE) == LOG_APPEND_TIME
 
 
 def rollout_topics(kafka: KafkaConfig, namespace: str, timeout: float = 30.0) -> dict[str, str]:

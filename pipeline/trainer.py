@@ -32,11 +32,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from pipeline.batching import GroupBuffer, GroupQueue, assemble, bucket_for
+from pipeline.batching import GroupBuffer, GroupQueue, Refused, assemble, bucket_for
 from pipeline.checkpoint import save_params
 from pipeline.codec import AvroCodec, TrajectoryCodec, TrajectoryHeaders
-from pipeline.errors import InvalidConfigError, RecordDecodeError
-from pipeline.grpo import GRPOConfig, init_state, make_train_step
+from pipeline.contract import MAX_ABS_REWARD, RecordContract
+from pipeline.errors import InvalidConfigError, RecordDecodeError, TrainingDivergedError
+from pipeline.grpo import GRPOConfig, all_finite, init_state, make_train_step
 from pipeline.kafka import MAX_MESSAGE_BYTES, KafkaConfig
 from pipeline.ledger import Ledger
 from pipeline.model import ModelConfig, init_model
@@ -44,12 +45,17 @@ from pipeline.positions import PositionTracker
 from pipeline.prometheus import Sample
 from pipeline.telemetry import metric, span
 from pipeline.tensorboard import ScalarWriter, flatten
-from pipeline.tokenizer import TOKENIZER_ID
-from pipeline.topics import ROLLOUTS, check_name, deadletter_topic, env_of
+from pipeline.tokenizer import TOKENIZER_ID, ByteTokenizer
+from pipeline.topics import ROLLOUTS, check_name, deadletter_topic, env_of, log_append_time
+from pipeline.trajectory import Trajectory
 from pipeline.transport import Coordinates
 from pipeline.weights import announce, announcement
 
 log = logging.getLogger(__name__)
+
+#: a dead letter larger than this keeps only the first DEADLETTER_PREFIX bytes of the value
+DEADLETTER_BYTES = MAX_MESSAGE_BYTES - 64 * 1024
+DEADLETTER_PREFIX = 64 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +84,12 @@ class TrainerConfig:
     #: a record value larger than this goes to the dead-letter topic undecoded
     #: ("oversized"), so no single record can make the trainer hold more than this
     max_record_bytes: int = MAX_MESSAGE_BYTES
+    #: rewards (and reward components) beyond this magnitude are refused (reward_bound)
+    max_abs_reward: float = MAX_ABS_REWARD
+    #: behaviour log-probabilities of policy tokens below this are refused (bad_logprob)
+    min_logprob: float = -1e3
+    #: this many consecutive steps with a non-finite loss or gradient stop the trainer
+    max_nonfinite_steps: int = 5
     instance: str = "0"
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
@@ -129,6 +141,15 @@ class Trainer:
         self.drops: Counter[str] = Counter()
         self.drops_by_env: Counter[str] = Counter()
         self.deadlettered = 0
+        self.deadletter_failures = 0
+        self._timestamp_types: dict[str, bool] = {}
+        self.nonfinite_steps = 0  # steps not applied (non-finite loss or gradient)
+        self.nonfinite_in_a_row = 0
+        self.contract = RecordContract(
+            min(ByteTokenizer().vocab_size, cfg.model.vocab_size),
+            cfg.max_abs_reward,
+            cfg.min_logprob,
+        )
         self.commit_failures = 0
         self.trained = 0  # samples trained by this process
         self.last_metrics: dict[str, Any] = {}  # the latest step's metrics row
@@ -293,23 +314,16 @@ class Trainer:
         env = env_of(m.topic()) or "?"
         if self.source is None and where.timestamp_ms > 0:  # time the record spent in Kafka
             metric("kafka_latency_s", time.time() - where.timestamp_ms / 1000, env=env)
-        h = TrajectoryHeaders.parse(m.headers())
-        if h.min_version is not None and h.min_version >= 0 and self._stale(h.min_version):
-            return self._drop(None, where, "stale", env)
         try:
-            size = len(m.value() or b"")
-            if size > self.cfg.max_record_bytes:
-                raise RecordDecodeError(
-                    "oversized",
-                    f"{size} bytes, more than max_record_bytes {self.cfg.max_record_bytes}",
-                )
-            with span("decode", "kafka"):
-                t = self.codec.decode(m.value() or b"")
-            if t.tokenizer_id != TOKENIZER_ID:
-                raise RecordDecodeError("tokenizer", f"{t.tokenizer_id} is not {TOKENIZER_ID}")
-        except RecordDecodeError as e:
-            self._deadletter(m, e)
-            return self._drop(None, where, e.reason, env)
+            verdict = self._judge(m)
+        except Exception as e:  # whatever a record provokes, it is settled, never retried
+            verdict = RecordDecodeError("internal", f"{type(e).__name__}: {str(e)[:500]}")
+        if isinstance(verdict, RecordDecodeError):
+            self._deadletter(m, verdict)
+            return self._drop(None, where, verdict.reason, env)
+        if isinstance(verdict, str):  # dropped without being invalid (stale, too long ...)
+            return self._drop(None, where, verdict, env)
+        t = verdict
         if t.min_version >= 0 and self._stale(t.min_version):
             return self._drop(t.trajectory_id, where, "stale", env)
         if bucket_for(t.num_tokens, self.cfg.buckets) is None:
@@ -317,9 +331,41 @@ class Trainer:
         if t.group_size != self.cfg.group_size:
             return self._drop(t.trajectory_id, where, "group_size", env)
         group = self.buffer.add(t, where)
+        if isinstance(group, Refused):
+            self._deadletter(m, RecordDecodeError(group.reason, group.detail))
+            return self._drop(t.trajectory_id, where, group.reason, env)
         if group is not None:
             self.ready.put(group)
         return None
+
+    def _judge(self, m: Any) -> Trajectory | RecordDecodeError | str:
+        """A record's trajectory if it may be trained, the decode or contract error that
+        refuses it, or the reason to drop it unread (``stale``)."""
+        try:
+            raw_headers = m.headers()
+        except Exception as e:  # e.g. a header name that is not UTF-8
+            return RecordDecodeError("bad_header", f"headers unreadable: {str(e)[:200]}")
+        h = TrajectoryHeaders.parse(raw_headers)
+        if h.min_version is not None and h.min_version >= 0 and self._stale(h.min_version):
+            return "stale"
+        value = m.value() or b""
+        if len(value) > self.cfg.max_record_bytes:
+            return RecordDecodeError(
+                "oversized",
+                f"{len(value)} bytes, more than max_record_bytes {self.cfg.max_record_bytes}",
+            )
+        try:
+            with span("decode", "kafka"):
+                t = self.codec.decode(value)
+        except RecordDecodeError as e:
+            return e
+        if t.tokenizer_id != TOKENIZER_ID:
+            return RecordDecodeError("tokenizer", f"{t.tokenizer_id[:80]} is not {TOKENIZER_ID}")
+        newest = None if self.source is not None else self.version  # (a recording: no bound)
+        violation = self.contract.violation(t, newest)
+        if violation is not None:
+            return RecordDecodeError(*violation)
+        return t
 
     def _stale(self, min_version: int) -> bool:
         return self.version - min_version > self.cfg.max_staleness
@@ -336,30 +382,67 @@ class Trainer:
             self._drop(mem.trajectory.trajectory_id, mem.where, reason, g.env)
 
     def _deadletter(self, m: Any, e: RecordDecodeError) -> None:
+        """Send the record with its reason to ``<ns>.deadletter``. A letter that would not
+        fit in a Kafka message keeps only a prefix of the value (its full size in the
+        message and the ``rlstream.value_size`` header); one the client still refuses is
+        logged and counted: the record is settled either way."""
+        self.deadlettered += 1
+        if self.producer is None:  # training from a recording: the ledger has it
+            return
+        try:
+            headers = {str(k): v for k, v in (m.headers() or []) if v is not None}
+        except Exception:  # unreadable headers are why this record is here
+            headers = {}
+        value, key = m.value(), m.key()
+        message = e.detail[:2000]
+        size = len(value or b"") + len(key or b"")
+        size += sum(len(k) + len(v) for k, v in headers.items())
+        if size > DEADLETTER_BYTES:
+            headers = {k: v for k, v in headers.items() if len(k) + len(v) <= 1024}
+            headers["rlstream.value_size"] = str(len(value or b"")).encode()
+            message += f" (value cut to its first {DEADLETTER_PREFIX} of {len(value or b'')} bytes)"
+            value, key = (value or b"")[:DEADLETTER_PREFIX], (key or b"")[:1024]
         record = {
             "source_topic": m.topic(),
             "source_partition": m.partition(),
             "source_offset": m.offset(),
-            "key": m.key(),
-            "headers": {k: v for k, v in (m.headers() or []) if v is not None},
-            "value": m.value(),
+            "key": key,
+            "headers": headers,
+            "value": value,
             "error_class": e.reason,
-            "error_message": e.detail[:2000],
+            "error_message": message,
             "component": self.cfg.trainer_id,
             "time_ms": int(time.time() * 1000),
         }
-        self.deadlettered += 1
-        if self.producer is None:  # training from a recording: the ledger has it
-            return
-        while True:
-            try:
-                self.producer.produce(
-                    deadletter_topic(self.cfg.namespace), self.dead_codec.encode(record), m.key()
-                )
-                break
-            except BufferError:
-                self.producer.poll(0.1)
+        try:
+            data = self.dead_codec.encode(record)
+            while True:
+                try:
+                    self.producer.produce(
+                        deadletter_topic(self.cfg.namespace),
+                        data,
+                        key,
+                        on_delivery=self._on_deadletter,
+                    )
+                    break
+                except BufferError:
+                    self.producer.poll(0.1)
+        except Exception as ex:  # e.g. a letter the client refuses: the record stays settled
+            self.deadletter_failures += 1
+            log.warning(
+                "dead letter not sent topic=%s partition=%d offset=%d reason=%s error=%s",
+                m.topic(),
+                m.partition(),
+                m.offset(),
+                e.reason,
+                str(ex)[:200],
+            )
         self.producer.poll(0)
+
+    def _on_deadletter(self, err: Any, msg: Any) -> None:
+        if err is not None:
+            self.deadletter_failures += 1
+            log.warning("dead letter not delivered error=%s", err.str())
 
     def _stale_until(self, tps: list[Any]) -> dict[tuple[str, int], int]:
         """Per partition, the first offset that may not be certainly stale: records
@@ -367,6 +450,9 @@ class Trainer:
         so all their tokens are older than that."""
         ts = self.version_times.get(self.version - self.cfg.max_staleness)
         if ts is None or not tps or self.source is not None:  # (a recording has no clock)
+            return {}
+        tps = [p for p in tps if self._broker_timestamps(p.topic)]
+        if not tps:
             return {}
         query = [confluent_kafka.TopicPartition(p.topic, p.partition, ts) for p in tps]
         out = {}
@@ -376,6 +462,27 @@ class Trainer:
                 _, end = self.consumer.get_watermark_offsets(tp, timeout=5)
             out[(tp.topic, tp.partition)] = end
         return out
+
+    def _broker_timestamps(self, topic: str) -> bool:
+        """Whether ``topic``'s record times are the broker's (LogAppendTime): only then
+        may a range be skipped by time. Producers' clocks are not trusted: on a
+        CreateTime topic every record is filtered from its own headers."""
+        known = self._timestamp_types.get(topic)
+        if known is None:
+            try:
+                known = log_append_time(self.kafka, topic) if self.kafka else False
+            except Exception as e:  # unknown for now: ask again at the next check
+                log.warning("timestamp type of topic=%s unknown: %s", topic, str(e)[:200])
+                return False
+            self._timestamp_types[topic] = known
+            if not known:
+                log.warning(
+                    "topic=%s has producer-set timestamps (CreateTime): stale ranges are "
+                    "not skipped by time, each record is filtered from its headers "
+                    "(recreate it with rlstream topics create to enable skipping)",
+                    topic,
+                )
+        return known
 
     def _settle_stale(self, key: tuple[str, int], start: int, end: int) -> int:
         """Drop the unread, unsettled records of ``[start, end)`` as one range each;
@@ -430,6 +537,9 @@ class Trainer:
                 time.sleep(self.cfg.step_delay_s)
         t2 = time.perf_counter()
         self.timers["step"] += t2 - t1
+        if not m.pop("applied"):
+            return self._not_applied(groups, m)
+        self.nonfinite_in_a_row = 0
         # (a trajectory without policy tokens, e.g. an environment that timed out on
         # reset, has no version and no staleness)
         stale = [
@@ -479,6 +589,31 @@ class Trainer:
         if self.on_step:
             self.on_step(m)
         return step
+
+    def _not_applied(self, groups: list[Any], m: dict[str, Any]) -> int:
+        """A step whose loss or gradients were not finite changed nothing: its records
+        are settled as ``non_finite_step``; too many in a row stop the trainer."""
+        for g in groups:
+            self._drop_group(g, "non_finite_step")
+        self.nonfinite_steps += 1
+        self.nonfinite_in_a_row += 1
+        log.warning(
+            "step not applied: loss=%s grad_norm=%s groups=%d in_a_row=%d",
+            m.get("loss"),
+            m.get("grad_norm"),
+            len(groups),
+            self.nonfinite_in_a_row,
+        )
+        if self.nonfinite_in_a_row >= self.cfg.max_nonfinite_steps:
+            self._checkpoint(announce=False)  # the drops are settled; the model is intact
+            raise TrainingDivergedError(
+                f"{self.nonfinite_in_a_row} training steps in a row had a non-finite loss or "
+                f"gradient (loss {m.get('loss')}, gradient norm {m.get('grad_norm')}); none "
+                f"was applied and version {self.version} is the last one published: lower "
+                "the learning rate or look at the records of the last steps in the ledger "
+                "(reason non_finite_step)"
+            )
+        return int(self.state.step)
 
     def samples(self) -> list[Sample]:
         """This trainer's figures for Prometheus (read at scrape time)."""
@@ -548,6 +683,11 @@ class Trainer:
         """Ledger line durable, then the checkpoint, then offsets committed, then (if
         ``announce``) the parameters saved for producers and announced."""
         step = int(self.state.step)
+        if not all_finite(self.state.params):  # never saved, never announced
+            raise TrainingDivergedError(
+                f"the parameters at step {step} are not finite; nothing was saved or "
+                f"announced after version {self.version - 1}"
+            )
         seq = self.ledger.close_step(step, self.version)
         if announce:
             self.version_times[self.version] = int(time.time() * 1000)
@@ -600,7 +740,7 @@ class Trainer:
     def _announce(self, step: int, m: dict[str, Any]) -> None:
         path = self.cfg.run_dir / "weights" / f"v{self.version}"
         if not path.exists():
-            save_params(path, nnx.merge(self.graphdef, self.state.params))
+            save_params(path, nnx.merge(self.graphdef, self.state.params), self.version)
         metrics = {k: v for k, v in m.items() if isinstance(v, float)}
         if self.producer is not None:
             self._announce_weights(path, step, metrics)

@@ -5,17 +5,22 @@ compacted ``<ns>.weights`` topic once a checkpoint is durable. A
 :class:`WeightsSubscriber` runs in the background of every producer: at start it reads the
 topic to its end and takes the latest announcement, then follows new ones. Each one is
 checked (a newer version, a URI inside an allowed root, the same model configuration and
-tokenizer, a digest that matches the files) and restored with orbax on the subscriber's
-thread; only then is it handed over, so sampling never waits for I/O. A refused
-announcement or a failed restore keeps the old weights and is logged and counted.
+tokenizer, a digest that matches the files, the version the files themselves name) and
+restored with orbax on the subscriber's thread from a private copy made while hashing
+(what is restored is exactly what was verified; a link out of the allowed roots is
+refused); parameters that are not all finite are refused. Only then is it handed over,
+so sampling never waits for I/O. A refused announcement, a failed restore or any error
+while handling one keeps the old weights and the thread, and is logged (one line) and
+counted.
 """
 
 from __future__ import annotations
 
 import logging
+import tempfile
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,9 +28,10 @@ from urllib.parse import urlparse
 
 import confluent_kafka
 
-from pipeline.checkpoint import digest, restore_params
+from pipeline.checkpoint import digest, restore_params, saved_version, snapshot
 from pipeline.codec import AvroCodec
-from pipeline.errors import RecordDecodeError
+from pipeline.errors import InvalidConfigError, RecordDecodeError
+from pipeline.grpo import all_finite
 from pipeline.kafka import KafkaConfig
 from pipeline.model import ModelConfig
 from pipeline.telemetry import span
@@ -34,6 +40,8 @@ from pipeline.topics import weights_topic
 log = logging.getLogger(__name__)
 
 KEY = b"policy"
+#: announcements of the backlog kept at start, newest tried first
+BACKLOG = 8
 
 
 def announcement(
@@ -128,7 +136,9 @@ class WeightsSubscriber:
         consumer.assign(
             [confluent_kafka.TopicPartition(topic, 0, confluent_kafka.OFFSET_BEGINNING)]
         )
-        latest: dict[str, Any] | None = None
+        # the backlog's newest announcements, newest last: at the end of the backlog the
+        # newest one that loads is taken (an older one only if the newer are refused)
+        backlog: deque[dict[str, Any]] = deque(maxlen=BACKLOG)
         try:
             while not self._stop.is_set():
                 msg = consumer.poll(0.2)
@@ -137,10 +147,9 @@ class WeightsSubscriber:
                 err = msg.error()
                 if err is not None:
                     if err.code() == confluent_kafka.KafkaError._PARTITION_EOF:
-                        # caught up: apply the newest seen while reading the backlog
-                        if latest is not None:
-                            self._apply(latest)
-                            latest = None
+                        while backlog and not self._handle(backlog.pop()):
+                            pass
+                        backlog.clear()
                         self.caught_up.set()
                     else:
                         log.warning("weights consumer error=%s", err.str())
@@ -151,45 +160,91 @@ class WeightsSubscriber:
                     self._refuse("undecodable", str(e))
                     continue
                 if self.caught_up.is_set():
-                    self._apply(record)
-                elif latest is None or record["policy_version"] >= latest["policy_version"]:
-                    latest = record
+                    self._handle(record)
+                else:
+                    backlog.append(record)
         finally:
             consumer.close()
 
     def _refuse(self, reason: str, detail: str) -> None:
         self.refused[reason] += 1
-        log.warning("weights refused reason=%s detail=%s", reason, detail)
+        log.warning("weights refused reason=%s detail=%s", reason, _cut(detail))
 
-    def _apply(self, ann: dict[str, Any]) -> None:
+    def _handle(self, ann: dict[str, Any]) -> bool:
+        """Apply one announcement; whatever goes wrong refuses it (one log line) and
+        keeps the thread and the current weights. True if the weights were taken."""
+        try:
+            return self._apply(ann)
+        except Exception as e:
+            self._refuse("invalid", f"{type(e).__name__}: {e}")
+            return False
+
+    def _apply(self, ann: dict[str, Any]) -> bool:
         version = int(ann["policy_version"])
         self.last_announced_ms = int(ann["created_at_ms"])
         if version <= self.version:
-            return
+            return False
         if ann["tokenizer_id"] != self.tokenizer_id:
-            return self._refuse("tokenizer", f"{ann['tokenizer_id']} != {self.tokenizer_id}")
+            self._refuse("tokenizer", f"{ann['tokenizer_id']} != {self.tokenizer_id}")
+            return False
         try:
             if ModelConfig.from_json(ann["model_config"]) != self.cfg:
-                return self._refuse("model_config", ann["model_config"])
-        except (ValueError, TypeError) as e:
-            return self._refuse("model_config", str(e))
+                self._refuse("model_config", ann["model_config"])
+                return False
+        except InvalidConfigError as e:
+            self._refuse("model_config", str(e))
+            return False
         try:
             path = checkpoint_path(ann["checkpoint_uri"], self.allowed_roots)
         except ValueError as e:
-            return self._refuse("uri", str(e))
+            self._refuse("uri", str(e))
+            return False
         with span("weights_restore", "weights", version=version):
-            try:
-                actual = digest(path)
-            except OSError as e:
-                return self._refuse("unreadable", str(e))
-            if actual != ann["digest"]:
-                return self._refuse("digest", f"{path}: announced {ann['digest']}, found {actual}")
-            try:
-                params = restore_params(path, self.cfg)
-            except Exception as e:  # any orbax failure keeps the old weights
-                return self._refuse("restore", repr(e))
+            params = self._verified(path, ann["digest"], version)
+        if params is None:
+            return False
         self.version = version
         self.accepted += 1
-        log.info("weights loaded version=%d path=%s", version, path)
+        log.info("weights loaded version=%d path=%s", version, _cut(str(path)))
         self.on_weights(params, version)
-        return None
+        return True
+
+    def _verified(self, path: Path, announced: str, version: int) -> Any:
+        """The parameters at ``path`` if its files hash to ``announced`` and say
+        ``version``, and every parameter is finite; else None (refused). They are
+        restored from a private copy made while hashing."""
+        with tempfile.TemporaryDirectory(prefix="rlstream-weights-") as tmp:
+            copy = Path(tmp) / "ckpt"
+            try:
+                actual = snapshot(path, self.allowed_roots, copy)
+            except ValueError as e:
+                self._refuse("uri", str(e))
+                return None
+            except OSError as e:
+                self._refuse("unreadable", str(e))
+                return None
+            if actual != announced:
+                self._refuse("digest", f"{path}: announced {announced}, found {actual}")
+                return None
+            try:
+                saved = saved_version(copy)
+            except ValueError as e:
+                self._refuse("version", str(e))
+                return None
+            if saved is not None and saved != version:
+                self._refuse("version", f"announced version {version}, the files say {saved}")
+                return None
+            try:
+                params = restore_params(copy, self.cfg)
+            except Exception as e:  # any orbax failure keeps the old weights
+                self._refuse("restore", repr(e))
+                return None
+        if not all_finite(params):
+            self._refuse("non_finite", f"parameters of version {version} hold NaN or infinity")
+            return None
+        return params
+
+
+def _cut(text: str, limit: int = 300) -> str:
+    """``text`` for one log line: at most ``limit`` characters, its full size noted."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from unittest.mock import ANY
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pipeline.batching import GroupBuffer, GroupQueue, assemble, bucket_for
+from pipeline.batching import Group, GroupBuffer, GroupQueue, Refused, assemble, bucket_for
 from pipeline.grpo import Batch, GRPOConfig, group_advantages, init_state, make_train_step
 from pipeline.model import ModelConfig, init_model, token_logprobs
 from pipeline.positions import PositionTracker
@@ -53,10 +55,20 @@ def test_groups_complete_expire_and_overflow() -> None:
     buf = GroupBuffer(max_records=5, timeout_s=10)
     ts = [make_trajectory(8, group_id="g", group_size=3, group_index=i) for i in range(3)]
     assert buf.add(ts[0], where(0)) is None
-    assert buf.add(ts[0], where(1)) is None  # duplicate member ignored
+    # the same record again, and its trajectory id at another index: refused, first kept
+    assert buf.add(ts[0], where(1)) == Refused("duplicate", ANY)
+    twin = make_trajectory(8, group_id="g", group_size=3, group_index=2)
+    twin.trajectory_id = ts[0].trajectory_id
+    assert buf.add(twin, where(2)).reason == "duplicate"  # type: ignore[union-attr]
+    alien = make_trajectory(8, env="other", group_id="g", group_size=3, group_index=1)
+    assert buf.add(alien, where(2)).reason == "env_mismatch"  # type: ignore[union-attr]
     assert buf.add(ts[1], where(2)) is None
     g = buf.add(ts[2], where(3))
-    assert g is not None and g.complete and buf.records == 0
+    assert isinstance(g, Group) and g.complete and buf.records == 0
+    assert [m.trajectory for m in g.members.values()] == ts
+    # a late repeat of a completed group does not start it again
+    assert buf.add(ts[1], where(4)).reason == "duplicate"  # type: ignore[union-attr]
+    assert buf.records == 0
     for i in range(3):
         buf.add(make_trajectory(8, group_id=f"h{i}", group_size=2), where(10 + i))
     assert [len(x.members) for x in buf.expired(now=1e12)] == [1, 1, 1]
