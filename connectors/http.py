@@ -9,7 +9,9 @@ own timeout; calls that fail on the way (connection refused or reset, a timeout,
 exponential back-off up to ``attempts`` times, which is safe because every call of the
 protocol is idempotent. A malformed or oversized answer, or the environment's own error,
 is not repeated: the episode ends with ``env_error`` (``timeout`` when the server never
-answered). Outcomes are counted in :mod:`connectors.stats` as ``http/<reason>``.
+answered). Redirects are never followed (a 3xx answer is ``redirect``, an
+``env_error``): actions go to the configured server and nowhere else. Outcomes are
+counted in :mod:`connectors.stats` as ``http/<reason>``.
 """
 
 from __future__ import annotations
@@ -148,9 +150,14 @@ class HttpEnvironment(Environment):
         try:
             async with asyncio.timeout(self.call_timeout_s):
                 async with pool.session.request(
-                    method, pool.url + path, data=data, headers=headers
+                    method, pool.url + path, data=data, headers=headers, allow_redirects=False
                 ) as resp:
                     status = resp.status
+                    if 300 <= status < 400:  # the configured server only: never followed
+                        where = resp.headers.get("Location", "")[:200]
+                        raise protocol.ConnectorError(
+                            "redirect", f"answered {status} to {where!r}; redirects are refused"
+                        )
                     raw = await self._read(resp)
         except TimeoutError:
             count("http", "timeout")

@@ -52,7 +52,8 @@ def decode(raw: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> dict[str, Any]:
         raise ConnectorError("malformed", f"not JSON: {str(e)[:200]}") from None
     if not isinstance(msg, dict):
         raise ConnectorError("malformed", f"not a JSON object but {type(msg).__name__}")
-    if msg.get("version") != PROTOCOL_VERSION:
+    version = msg.get("version")
+    if type(version) is not int or version != PROTOCOL_VERSION:  # (True == 1 in Python)
         raise ConnectorError(
             "version", f"protocol version {msg.get('version')!r}, expected {PROTOCOL_VERSION}"
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -41,16 +42,20 @@ class HostError(Exception):
 @dataclass
 class _Session:
     env: Environment
-    request: str  # the reset request, to tell a repeated reset from a conflicting one
+    request: bytes  # digest of the reset request, to tell a repeat from a conflict
+    size: int  # bytes this session holds: its task and its last answer
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     answer: dict[str, Any] | HostError | None = None  # of the reset, then of call `seq`
     seq: int = 0
     used: float = field(default_factory=time.monotonic)
+    answer_size: int = 0
 
 
 class SessionHost:
     """Sessions of environment ``env_name`` (made with ``options``), at most
-    ``max_sessions`` at once; a session idle for ``session_ttl_s`` is closed; an
+    ``max_sessions`` at once, holding at most ``max_session_bytes`` each (a reset's task
+    and the last answer) and ``max_total_bytes`` together (more: 413 for one session,
+    503 ``overloaded`` for all); a session idle for ``session_ttl_s`` is closed; an
     environment call running past ``call_timeout_s`` fails that call."""
 
     def __init__(
@@ -61,6 +66,8 @@ class SessionHost:
         max_sessions: int = 1024,
         session_ttl_s: float = 600.0,
         call_timeout_s: float = 60.0,
+        max_session_bytes: int = 256 * 1024,
+        max_total_bytes: int = 64 * 1024 * 1024,
     ) -> None:
         self.env_name, self.options = env_name, dict(options or {})
         probe = make(env_name, **self.options)  # a clear error now, not at the first reset
@@ -69,6 +76,7 @@ class SessionHost:
         self.max_sessions = max_sessions
         self.session_ttl_s = session_ttl_s
         self.call_timeout_s = call_timeout_s
+        self.max_session_bytes, self.max_total_bytes = max_session_bytes, max_total_bytes
         self.sessions: dict[str, _Session] = {}
         self.requests = 0
         self._closing: set[asyncio.Future[None]] = set()
@@ -97,18 +105,34 @@ class SessionHost:
             return await self._call(op, sid, body)
         raise HostError(404, "unknown_operation", f"no operation {op!r}")
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes the open sessions hold (their tasks and last answers)."""
+        return sum(s.size for s in self.sessions.values())
+
     async def _reset(self, sid: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        request = json.dumps({k: body.get(k) for k in ("seed", "task")}, sort_keys=True)
+        text = json.dumps({k: body.get(k) for k in ("seed", "task")}, sort_keys=True)
+        request = hashlib.sha256(text.encode()).digest()
         s = self.sessions.get(sid)
         if s is None:
             self._expire()
             if len(self.sessions) >= self.max_sessions:
                 raise HostError(503, "overloaded", f"{self.max_sessions} sessions are open")
+            if len(text) > self.max_session_bytes:
+                raise HostError(
+                    413,
+                    "too_large",
+                    f"a task of {len(text)} bytes (limit {self.max_session_bytes} a session)",
+                )
+            if self.held_bytes + len(text) > self.max_total_bytes:
+                raise HostError(503, "overloaded", f"sessions hold {self.held_bytes} bytes already")
             try:
                 what = protocol.task_of(body)
             except protocol.ConnectorError as e:
                 raise HostError(400, "bad_request", str(e)) from None
-            s = self.sessions[sid] = _Session(make(self.env_name, **self.options), request)
+            s = self.sessions[sid] = _Session(
+                make(self.env_name, **self.options), request, len(text)
+            )
             async with s.lock:
                 task = what if isinstance(what, Task) else s.env.sample_task(random.Random(what))
                 s.answer = await self._run(
@@ -137,6 +161,8 @@ class SessionHost:
                 arguments = protocol.text(body, "arguments")
         except protocol.ConnectorError as e:
             raise HostError(400, "bad_request", str(e)) from None
+        if seq < 1:
+            raise HostError(400, "bad_request", f"seq counts calls from 1, not {seq}")
         async with s.lock:
             s.used = time.monotonic()
             if seq == s.seq:  # a repeated call: the first one's answer
@@ -164,7 +190,15 @@ class SessionHost:
         except Exception as e:  # the environment's failure: this session's answer
             log.warning("environment %s failed: %r", self.name, e)
             return HostError(500, "env_error", f"{type(e).__name__}: {e}")
-        return {"version": protocol.PROTOCOL_VERSION, **shape(value)}
+        answer = {"version": protocol.PROTOCOL_VERSION, **shape(value)}
+        size = len(json.dumps(answer))
+        if size > self.max_session_bytes:
+            return HostError(
+                500, "env_error", f"an answer of {size} bytes (limit {self.max_session_bytes})"
+            )
+        s.size = s.size - s.answer_size + size
+        s.answer_size = size
+        return answer
 
     async def close(self, sid: str) -> dict[str, Any]:
         s = self.sessions.pop(sid, None)
@@ -198,8 +232,13 @@ def _answer(a: dict[str, Any] | HostError | None) -> dict[str, Any]:
 # -- HTTP ------------------------------------------------------------------------------
 
 
-def http_app(host: SessionHost, max_request_bytes: int = protocol.MAX_MESSAGE_BYTES) -> Any:
-    """The aiohttp application serving ``host`` (see docs/environment-protocol.md)."""
+def http_app(
+    host: SessionHost,
+    max_request_bytes: int = protocol.MAX_MESSAGE_BYTES,
+    body_timeout_s: float = 10.0,
+) -> Any:
+    """The aiohttp application serving ``host`` (see docs/environment-protocol.md).
+    Every error answer, 413 and 408 included, is the protocol's JSON."""
     from aiohttp import web
 
     def reply(body: dict[str, Any], status: int = 200) -> web.Response:
@@ -216,14 +255,39 @@ def http_app(host: SessionHost, max_request_bytes: int = protocol.MAX_MESSAGE_BY
         body: dict[str, Any] = {}
         if request.method != "DELETE":
             try:
-                body = protocol.decode(await request.read(), max_request_bytes)
+                body = protocol.decode(await _body(request), max_request_bytes)
+            except TimeoutError:
+                return reply(
+                    protocol.error("timeout", f"the body did not arrive in {body_timeout_s:g} s"),
+                    408,
+                )
             except protocol.ConnectorError as e:
-                status = 413 if e.reason == "oversized" else 400
-                return reply(protocol.error("bad_request", str(e)), status)
+                if e.reason == "oversized":
+                    return reply(protocol.error("too_large", str(e)), 413)
+                return reply(protocol.error("bad_request", str(e)), 400)
         try:
             return reply(await host.handle(op, sid, body))
         except HostError as e:
             return reply(e.body(), e.status)
+
+    async def _body(request: web.Request) -> bytes:
+        """The request body: at most ``max_request_bytes`` (more is refused without
+        reading it all) within ``body_timeout_s`` (a half-sent body is not waited for)."""
+        declared = request.content_length
+        if declared is not None and declared > max_request_bytes:
+            raise protocol.ConnectorError(
+                "oversized", f"a body of {declared} bytes (limit {max_request_bytes})"
+            )
+        chunks, size = [], 0
+        async with asyncio.timeout(body_timeout_s):
+            async for chunk in request.content.iter_chunked(64 * 1024):
+                size += len(chunk)
+                if size > max_request_bytes:
+                    raise protocol.ConnectorError(
+                        "oversized", f"a body over {max_request_bytes} bytes"
+                    )
+                chunks.append(chunk)
+        return b"".join(chunks)
 
     app = web.Application(client_max_size=max_request_bytes)
     app.router.add_get("/v1/health", health)

@@ -386,12 +386,22 @@ class LocalBroker:
             str(props),
             "--ignore-formatted",
         ]
+        argfile = node_dir / "format.args"
         if self.config.sasl:
+            # The credential goes to the JVM in an argument file (mode 0600, removed after):
+            # on the command line, /proc/PID/cmdline would show the password to every user.
             c = self.config
-            cmd.append(
+            secret = (
                 f"--add-scram={SCRAM_MECHANISM}=[name={c.sasl_username},password={c.sasl_password}]"
             )
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            fd = os.open(argfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write("\n".join(_argfile_quote(a) for a in [*cmd[1:], secret]) + "\n")
+            cmd = [cmd[0], f"@{argfile}"]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        finally:
+            argfile.unlink(missing_ok=True)
         if proc.returncode != 0:
             raise BrokerError(
                 f"formatting Kafka storage in {node_dir} failed:\n"
@@ -551,3 +561,8 @@ def _reap(pids: list[int]) -> None:
             os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
             pass
+
+
+def _argfile_quote(arg: str) -> str:
+    """``arg`` as one argument of a Java ``@argfile`` (quoted: ``#`` and spaces kept)."""
+    return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -415,6 +415,8 @@ def cmd_env(args: argparse.Namespace) -> int:
         max_sessions=args.max_sessions,
         session_ttl_s=args.session_ttl,
         call_timeout_s=args.call_timeout,
+        max_session_bytes=args.max_session_bytes,
+        max_total_bytes=args.max_total_bytes,
     )
     if not args.stdio and args.host not in ("127.0.0.1", "::1", "localhost"):
         log.warning(
@@ -843,6 +845,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--call-timeout", type=float, default=60.0, help="fail an environment call after (s)"
+    )
+    p.add_argument(
+        "--max-session-bytes",
+        type=int,
+        default=256 * 1024,
+        help="bytes one session may hold (its task, its last answer)",
+    )
+    p.add_argument(
+        "--max-total-bytes",
+        type=int,
+        default=64 * 1024 * 1024,
+        help="bytes all sessions together may hold",
     )
     p.set_defaults(func=cmd_env)
 
