@@ -91,6 +91,12 @@ class _Recorder:
         self.versions += [-1] * len(tokens)
         self.turns.append(Turn(role, start, len(self.tokens), tool, latency_s))
 
+    def forget_after(self, n: int) -> None:
+        """Drop the tokens from ``n`` on (whole context turns never handed to the policy)."""
+        for seq in (self.tokens, self.mask, self.logprobs, self.versions):
+            del seq[n:]
+        self.turns = [t for t in self.turns if t.start < n]
+
     def policy(self, opener: int, r: TurnResult, latency_s: float, tool: str = "") -> None:
         start = len(self.tokens)
         self.tokens.append(opener)
@@ -161,6 +167,7 @@ async def run_episode(
             feed = [*rec.tokens[fed:], assistant]
             room = server.max_len if turn_index == 0 else server.engine.room(slot)
             if len(feed) >= room:  # not even one token could be sampled after it
+                rec.forget_after(fed)  # the record holds only what the policy saw
                 status = "truncated"
                 break
             with span("policy_turn", track):

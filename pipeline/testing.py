@@ -106,6 +106,7 @@ class ScriptedPolicy:
         self.fed: list[list[int]] = []
         self.engine = self
         self.version = 0
+        self.max_len = 1000
         tok = tokenizer or ByteTokenizer()
         self._stops = (tok.eos, tok.end_call)
 

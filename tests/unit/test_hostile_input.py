@@ -1,0 +1,433 @@
+"""The worst inputs at every boundary, without a broker: records, the training step,
+checkpoint directories, model configurations, the remote environment protocol, the
+environment server and episodes. (Through a real broker: tests/integration/
+test_hostile_records.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from connectors import protocol
+from connectors.base import Environment, Step, Task
+from connectors.serve import HostError, SessionHost, http_app
+from pipeline.checkpoint import digest, save_params, saved_version, snapshot
+from pipeline.codec import TrajectoryCodec, to_avro_dict
+from pipeline.contract import RecordContract
+from pipeline.episode import EpisodeLimits, GroupSlot, run_episode
+from pipeline.errors import InvalidConfigError, RecordDecodeError
+from pipeline.grpo import Batch, GRPOConfig, all_finite, init_state, make_train_step
+from pipeline.model import ModelConfig, init_model
+from pipeline.testing import ScriptedPolicy, make_trajectory
+from pipeline.tokenizer import ByteTokenizer
+
+CODEC = TrajectoryCodec()
+TOK = ByteTokenizer()
+CFG = ModelConfig(d_model=32, num_layers=1, num_heads=2, d_ff=64, max_len=64)
+
+
+def mutated(change: Any, **kw: Any) -> bytes:
+    d = copy.deepcopy(to_avro_dict(make_trajectory(40, turns=2, **kw)))
+    change(d)
+    return CODEC.encode_avro_dict(d)
+
+
+# ---- records ---------------------------------------------------------------------------
+
+
+def test_a_tensor_whose_shape_overflows_is_refused_not_a_numpy_error() -> None:
+    for shape in ([2**62, 0], [0, 2**62], [2**31, 2**31, 0], [-1, 0], [1] * 9):
+
+        def change(d: dict[str, Any], shape: list[int] = shape) -> None:
+            d["tokens"] = {"dtype": "int32", "shape": shape, "data": b""}
+
+        with pytest.raises(RecordDecodeError) as e:
+            CODEC.decode(mutated(change))
+        assert e.value.reason == "tensor_mismatch", shape
+
+
+def test_the_training_contract_refuses_each_kind_with_its_reason() -> None:
+    contract = RecordContract(vocab_size=272)
+    ok = make_trajectory(40, turns=2, versions=(3,))
+    assert contract.violation(ok, newest_version=3) is None
+    policy = int(np.flatnonzero(ok.loss_mask)[0])
+
+    def variant(**fields: Any) -> Any:
+        t = copy.copy(ok)
+        for k, v in fields.items():
+            setattr(t, k, v)
+        return t
+
+    def array(name: str, index: int, value: Any) -> np.ndarray:
+        a = getattr(ok, name).copy()
+        a[index] = value
+        return a
+
+    cases = {
+        "token_range": [
+            variant(tokens=array("tokens", 3, 100_000)),
+            variant(tokens=array("tokens", 3, -1)),
+            variant(tokens=array("tokens", 3, 272)),
+        ],
+        "bad_logprob": [
+            variant(logprobs=array("logprobs", policy, 5.0)),
+            variant(logprobs=array("logprobs", policy, -1e30)),
+        ],
+        "reward_bound": [variant(reward=1e308), variant(rewards={"a": -2e6})],
+        "future_version": [ok],
+    }
+    for reason, ts in cases.items():
+        for t in ts:
+            newest = 2 if reason == "future_version" else 3
+            found = contract.violation(t, newest)
+            assert found is not None and found[0] == reason, (reason, found)
+    assert contract.violation(ok, None) is None  # a recording: no bound on versions
+    # a log-probability far below 0 on a token the policy did not write is no concern
+    ctx = int(np.flatnonzero(ok.loss_mask == 0)[0])
+    assert contract.violation(variant(logprobs=array("logprobs", ctx, -1e30)), 3) is None
+    with pytest.raises(InvalidConfigError):
+        RecordContract(vocab_size=272, max_abs_reward=float("inf"))
+
+
+def test_a_step_whose_loss_or_gradients_are_not_finite_changes_nothing() -> None:
+    cfg = GRPOConfig(warmup_steps=1)
+    tx = cfg.optimizer()
+    graphdef, state = init_state(init_model(CFG, 0), tx)
+    step = make_train_step(graphdef, cfg, tx)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 260, (4, 16)).astype(np.int32)
+    mask = np.ones((4, 16), np.float32)
+    good = Batch(tokens, mask, np.full((4, 16), -5.0, np.float32), np.ones(4), np.ones(4))
+    state, m = step(state, good)
+    assert float(m["applied"]) == 1.0 and int(state.step) == 1
+    state, m = step(state, good)  # (past warm-up: a real update)
+    before = state
+    for bad in (
+        good._replace(advantage=np.asarray([np.nan, 1, 1, 1], np.float32)),
+        good._replace(tokens=np.where(tokens > 100, 100_000, tokens).astype(np.int32)),
+    ):
+        after, m = step(before, bad)
+        assert float(m["applied"]) == 0.0
+        assert int(after.step) == int(before.step)
+        for a, b in zip(
+            np.concatenate([np.ravel(x) for x in jax_leaves(after.params)]),
+            np.concatenate([np.ravel(x) for x in jax_leaves(before.params)]),
+            strict=True,
+        ):
+            assert a == b
+    # extreme behaviour log-probabilities are trained without overflow (capped weights)
+    for lp in (-1e30, -np.inf):
+        extreme, m = step(before, good._replace(behaviour=np.full((4, 16), lp, np.float32)))
+        assert float(m["applied"]) == 1.0 and all_finite(extreme.params)
+        assert np.isfinite(float(m["is_weight_max"]))
+
+
+def jax_leaves(tree: Any) -> list[np.ndarray]:
+    import jax
+
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_unreadable_headers_and_unforeseen_failures_become_refusals(tmp_path: Path) -> None:
+    from pipeline.trainer import Trainer, TrainerConfig
+
+    class Source:  # a recording stand-in: the trainer needs no broker to judge records
+        exhausted = False
+
+        def subscribe(self, topics: Any, on_assign: Any, on_revoke: Any) -> None:
+            pass
+
+    class Message:
+        def __init__(self, offset: int, value: bytes, headers: Any = None) -> None:
+            self._offset, self._value, self._headers = offset, value, headers
+
+        def error(self) -> None:
+            return None
+
+        def topic(self) -> str:
+            return "ns.rollouts.math"
+
+        def partition(self) -> int:
+            return 0
+
+        def offset(self) -> int:
+            return self._offset
+
+        def timestamp(self) -> tuple[int, int]:
+            return (0, 0)
+
+        def key(self) -> bytes:
+            return b"k"
+
+        def value(self) -> bytes:
+            return self._value
+
+        def headers(self) -> Any:
+            if isinstance(self._headers, BaseException):
+                raise self._headers
+            return self._headers
+
+    cfg = TrainerConfig(namespace="ns", run_dir=tmp_path, buckets=(64,), model=CFG)
+    trainer = Trainer(cfg, None, source=Source())
+    good = CODEC.encode(make_trajectory(40, env="math", turns=2, tokenizer_id=TOK.id))
+    trainer._intake(Message(0, good, SystemError("header name is not UTF-8")))
+    # a codec failure nobody foresaw is still a refusal with a reason, never a crash
+    trainer.codec = None  # type: ignore[assignment]
+    trainer._intake(Message(1, good))
+    assert dict(trainer.drops) == {"bad_header": 1, "internal": 1}
+    assert trainer.deadlettered == 2
+    assert trainer.tracker.low(("ns.rollouts.math", 0)) == 2  # both settled
+
+
+# ---- checkpoint directories and model configurations -----------------------------------
+
+
+def test_a_snapshot_hashes_every_file_it_copies_and_refuses_links_out_of_the_roots(
+    tmp_path: Path,
+) -> None:
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    ckpt = save_params(root / "v3", init_model(CFG, 1), version=3)
+    (root / "shared").mkdir()
+    (root / "shared" / "extra.bin").write_bytes(b"inside the root")
+    (ckpt / "linked").symlink_to(root / "shared")  # a linked directory inside the root
+    copy_dir = tmp_path / "copy"
+    announced = digest(ckpt)
+    assert snapshot(ckpt, [root], copy_dir) == announced
+    assert (copy_dir / "linked" / "extra.bin").read_bytes() == b"inside the root"
+    assert saved_version(copy_dir) == 3
+    # the linked file's bytes are covered: changing them changes the digest
+    (root / "shared" / "extra.bin").write_bytes(b"changed")
+    assert digest(ckpt) != announced
+    # a linked directory that leaves the roots is refused
+    outside.mkdir()
+    (ckpt / "escape").symlink_to(outside)
+    with pytest.raises(ValueError, match="outside the allowed roots"):
+        snapshot(ckpt, [root], tmp_path / "copy2")
+    (ckpt / "escape").unlink()
+    os.mkfifo(ckpt / "pipe")  # reading it would block for ever
+    with pytest.raises(ValueError, match="neither a file nor a directory"):
+        snapshot(ckpt, [root], tmp_path / "copy3")
+    (ckpt / "pipe").unlink()
+    (ckpt / "loop").symlink_to(ckpt)
+    with pytest.raises(ValueError, match="link loop"):
+        snapshot(ckpt, [root], tmp_path / "copy4")
+    (ckpt / "loop").unlink()
+    (ckpt / "rlstream.json").write_text('{"policy_version": true}')
+    with pytest.raises(ValueError, match="no integer version"):
+        saved_version(ckpt)
+
+
+def test_model_configurations_from_announcements_are_checked_before_use() -> None:
+    good = ModelConfig().to_json()
+    assert ModelConfig.from_json(good) == ModelConfig()
+    for bad in (
+        json.dumps({**json.loads(good), "num_heads": 0}),
+        json.dumps({**json.loads(good), "d_model": True}),
+        json.dumps({**json.loads(good), "max_len": 2**40}),
+        json.dumps({**json.loads(good), "bogus": 1}),
+        "[1, 2]",
+        "{" * 100_000,
+        "not json",
+    ):
+        with pytest.raises(InvalidConfigError):
+            ModelConfig.from_json(bad)
+
+
+# ---- the remote environment protocol and server ----------------------------------------
+
+
+def test_protocol_versions_and_sequence_numbers_are_exact() -> None:
+    with pytest.raises(protocol.ConnectorError):
+        protocol.decode(b'{"version": true}')
+    with pytest.raises(protocol.ConnectorError):
+        protocol.decode(b'{"version": 1.0}')
+    host = SessionHost("guess")
+
+    async def main() -> None:
+        await host.handle("reset", "s", {"version": 1, "seed": 1})
+        with pytest.raises(HostError) as e:
+            await host.handle("step", "s", {"version": 1, "seq": 0, "action": "1"})
+        assert (e.value.status, e.value.code) == (400, "bad_request")
+
+    asyncio.run(main())
+
+
+def test_sessions_are_bounded_in_bytes_each_and_together() -> None:
+    host = SessionHost("guess", max_session_bytes=2000, max_total_bytes=5000)
+    task = {"task_id": "t", "params": {"secret": 3, "pad": "x" * 1500}}
+
+    async def main() -> None:
+        with pytest.raises(HostError) as e:
+            big = {"task_id": "t", "params": {"secret": 3, "pad": "x" * 900_000}}
+            await host.handle("reset", "big", {"version": 1, "task": big})
+        assert (e.value.status, e.value.code) == (413, "too_large")
+        for i in range(3):
+            await host.handle("reset", f"s{i}", {"version": 1, "task": task})
+        assert 4500 <= host.held_bytes <= 5000
+        with pytest.raises(HostError) as e:
+            await host.handle("reset", "s3", {"version": 1, "task": task})
+        assert (e.value.status, e.value.code) == (503, "overloaded")
+        await host.close("s0")
+        await host.handle("reset", "s3", {"version": 1, "task": task})  # room again
+
+    asyncio.run(main())
+
+
+def test_the_server_answers_oversized_and_half_sent_bodies_in_json() -> None:
+    from aiohttp import web
+
+    async def main() -> None:
+        runner = web.AppRunner(http_app(SessionHost("guess"), body_timeout_s=0.5))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        try:
+            # 10 MB declared: refused at once, in the protocol's JSON
+            status, body = await _raw(port, b"PUT", 10_000_000, b"x" * 1000)
+            assert status == 413 and json.loads(body)["error"]["code"] == "too_large"
+            # a body that stops half-way is not waited for
+            start = time.monotonic()
+            status, body = await _raw(port, b"PUT", 100, b'{"version": 1')
+            assert status == 408 and json.loads(body)["error"]["code"] == "timeout"
+            assert time.monotonic() - start < 5
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+async def _raw(port: int, method: bytes, length: int, body: bytes) -> tuple[int, bytes]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        method + b" /v1/sessions/abc HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(length).encode() + b"\r\n\r\n" + body
+    )
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    status = int(head.split()[1])
+    size = next(
+        int(line.split(b":")[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length")
+    )
+    data = await asyncio.wait_for(reader.readexactly(size), 10)
+    writer.close()
+    return status, data
+
+
+def test_the_http_connector_follows_no_redirect() -> None:
+    from aiohttp import web
+
+    from connectors.http import HttpEnvironment
+
+    hits: list[str] = []
+
+    async def elsewhere(request: web.Request) -> web.Response:
+        hits.append(request.path)
+        return web.json_response({"version": 1, "observation": "stolen"})
+
+    async def main() -> None:
+        other = web.Application()
+        other.router.add_route("*", "/{tail:.*}", elsewhere)
+        r2 = web.AppRunner(other)
+        await r2.setup()
+        await web.TCPSite(r2, "127.0.0.1", 0).start()
+        target = f"http://127.0.0.1:{r2.addresses[0][1]}"
+
+        async def redirect(request: web.Request) -> web.Response:
+            raise web.HTTPTemporaryRedirect(target + request.path)
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", redirect)
+        r1 = web.AppRunner(app)
+        await r1.setup()
+        await web.TCPSite(r1, "127.0.0.1", 0).start()
+        env = HttpEnvironment(f"http://127.0.0.1:{r1.addresses[0][1]}", attempts=1)
+        try:
+            with pytest.raises(protocol.ConnectorError, match="redirects are refused"):
+                await env.reset(Task("t", {}))
+        finally:
+            from connectors.base import close_shared
+
+            await close_shared()
+            await r1.cleanup()
+            await r2.cleanup()
+
+    asyncio.run(main())
+    assert hits == []
+
+
+# ---- episodes --------------------------------------------------------------------------
+
+
+class Answering(Environment):
+    """Answers every step with ``reward`` and ``observation``, never done."""
+
+    name = "answering"
+
+    def __init__(self, reward: float, observation: str) -> None:
+        self.reward, self.observation = reward, observation
+
+    def sample_task(self, rng: random.Random) -> Task:
+        return Task("x")
+
+    async def reset(self, task: Task) -> str:
+        return "go"
+
+    async def step(self, action: str) -> Step:
+        return Step(self.observation, self.reward, False)
+
+
+def slot() -> GroupSlot:
+    return GroupSlot("g", 2, 0, Task("x"))
+
+
+def test_rewards_that_overflow_end_the_episode_with_a_record_that_encodes() -> None:
+    turns = [[*TOK.encode("1"), TOK.eos]] * 4
+    t = asyncio.run(
+        run_episode(
+            Answering(1e308, "again"),
+            slot(),
+            ScriptedPolicy(turns),  # type: ignore[arg-type]
+            0,
+            TOK,
+            EpisodeLimits(8),
+            "p",
+        )
+    )
+    assert t.status == "env_error" and t.reward == 0.0
+    CODEC.encode(t)
+
+
+def test_an_endless_observation_is_cut_and_the_context_never_overflows() -> None:
+    from pipeline.policy_server import PolicyServer
+    from pipeline.sampler import DecodeEngine, SamplingConfig
+
+    engine = DecodeEngine(init_model(CFG, 3), 2, SamplingConfig(1.0, seed=4), chunk=8)
+    server = PolicyServer(engine, {TOK.eos, TOK.end_call}).start()
+    huge = "\U0001f600" * 65_536  # 64 Ki four-byte characters: 256 KiB of tokens
+    limits = EpisodeLimits(max_new_tokens=4, max_observation_tokens=32)
+
+    async def main() -> tuple[Any, float]:
+        await run_episode(Answering(0.0, "x"), slot(), server, 1, TOK, limits, "p")  # compile
+        start = time.monotonic()
+        t = await run_episode(Answering(0.0, huge), slot(), server, 0, TOK, limits, "p")
+        return t, time.monotonic() - start
+
+    t, took = asyncio.run(main())
+    server.stop()
+    assert t.status == "truncated" and t.num_tokens <= CFG.max_len
+    observations = [turn for turn in t.turns if turn.role == "environment"]
+    assert observations and all(o.end - o.start <= 32 for o in observations)
+    assert took < 10
+    CODEC.encode(t)
