@@ -12,6 +12,7 @@ trajectories trained and dropped by reason.
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,10 +23,12 @@ import confluent_kafka
 import numpy as np
 
 from pipeline.codec import AvroCodec
-from pipeline.errors import RlstreamError
+from pipeline.errors import RecordDecodeError, RlstreamError
 from pipeline.kafka import KafkaConfig
 from pipeline.topics import telemetry_topic
 from pipeline.transport import read_ranges
+
+log = logging.getLogger(__name__)
 
 #: spans in which the trainer works (the rest of its wall time it waits for data)
 TRAIN_SPANS = ("staleness_filter", "batch_assembly", "train_step", "checkpoint_save", "announce")
@@ -51,6 +54,8 @@ class Telemetry:
     spans: list[Span] = field(default_factory=list)
     metrics: list[tuple[str, str, int, float, Mapping[str, str]]] = field(default_factory=list)
     processes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: telemetry records that did not decode (skipped, logged)
+    undecodable: int = 0
 
     def add(self, batch: Mapping[str, Any]) -> None:
         p = batch["process"]
@@ -81,7 +86,16 @@ def read(kafka: KafkaConfig, namespace: str, timeout_s: float = 30.0) -> Telemet
         }
         try:
             for m in read_ranges(consumer, ranges, timeout_s):
-                out.add(codec.decode(m.value()))
+                try:
+                    out.add(codec.decode(m.value() or b""))
+                except RecordDecodeError as e:  # one bad batch never hides the others
+                    out.undecodable += 1
+                    log.warning(
+                        "telemetry record skipped partition=%d offset=%d reason=%s",
+                        m.partition(),
+                        m.offset(),
+                        e.reason,
+                    )
         except TimeoutError as e:
             raise RlstreamError(f"telemetry of {topic}: {e} in {timeout_s:g} s") from None
     finally:
@@ -123,6 +137,8 @@ def summarize(t: Telemetry) -> dict[str, Any]:
     # producers ship what they roll out (the run's own evaluation episodes do not count)
     producers = [p for p, ss in by_proc.items() if any(s.name == "produce" for s in ss)]
     out: dict[str, Any] = {"processes": sorted(by_proc), "spans": len(t.spans)}
+    if t.undecodable:
+        out["undecodable_records"] = t.undecodable
 
     def wall(ss: list[Span]) -> float:
         return (max(s.end_ns for s in ss) - min(s.start_ns for s in ss)) / 1e9

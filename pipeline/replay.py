@@ -187,16 +187,19 @@ def _recorded_dict(m: Any, codec: TrajectoryCodec, stats: RecordStats) -> dict[s
         "offset": m.offset(),
         "timestamp_ms": m.timestamp()[1],
         "key": m.key(),
-        "headers": {k: v for k, v in (m.headers() or []) if v is not None},
+        "headers": {},
         "trajectory": None,
         "raw": None,
         "error": None,
     }
     try:
+        d["headers"] = {k: v for k, v in (m.headers() or []) if v is not None}
         d["trajectory"] = to_avro_dict(codec.decode(value))
-    except RecordDecodeError as e:
+    except Exception as e:  # recorded as it came, with the reason: nothing stops a recording
+        reason = e.reason if isinstance(e, RecordDecodeError) else "internal"
+        detail = e.detail if isinstance(e, RecordDecodeError) else f"{type(e).__name__}: {e}"
         stats.undecodable += 1
-        d["raw"], d["error"] = value, f"{e.reason}: {e.detail}"
+        d["raw"], d["error"] = value, f"{reason}: {detail[:2000]}"
     return d
 
 

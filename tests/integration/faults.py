@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -199,3 +200,38 @@ def assert_delivered_once(
     ids = [r.trajectory.trajectory_id for r in records.values()]
     assert len(set(ids)) == len(ids)
     assert_exactly_once(pipeline, records)
+
+
+class CommandLineWatch:
+    """While active, reads every process's command line (``/proc/PID/cmdline``) every
+    few milliseconds and keeps those that contain ``secret``."""
+
+    def __init__(self, secret: str) -> None:
+        self.secret = secret.encode()
+        self.seen: list[bytes] = []
+        self.scans = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> CommandLineWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for pid in os.listdir("/proc"):
+                if not pid.isdigit():
+                    continue
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        line = f.read()
+                except OSError:
+                    continue
+                if self.secret in line:
+                    self.seen.append(line[:300])
+            self.scans += 1
+            time.sleep(0.002)

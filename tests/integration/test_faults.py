@@ -29,6 +29,7 @@ from pipeline.trainer import Trainer
 from tests.conftest import free_port_pair
 from tests.integration.faults import (
     ROOT,
+    CommandLineWatch,
     Pipeline,
     assert_delivered_once,
     assert_exactly_once,
@@ -307,8 +308,10 @@ def test_ten_thousand_poison_records_are_dead_lettered_with_their_reason(
 def test_scram_authentication_refuses_wrong_credentials_and_the_right_ones_run_the_pipeline(
     tmp_path: Path,
 ) -> None:
-    user, password = "rlstream-ci", f"pw-{uuid.uuid4().hex}"
-    broker = _own_broker(tmp_path, sasl_username=user, sasl_password=password)
+    user, password = "rlstream-ci", f"pw#{uuid.uuid4().hex}"  # ('#' starts a Java comment)
+    with CommandLineWatch(password) as watch:  # storage formatted with the credential
+        broker = _own_broker(tmp_path, sasl_username=user, sasl_password=password)
+    assert watch.scans > 10 and watch.seen == [], watch.seen
     b = broker.bootstrap
     try:
         assert broker.state()["security_protocol"] == "SASL_PLAINTEXT"  # type: ignore[index]

@@ -277,3 +277,28 @@ def test_a_producer_clock_ten_minutes_slow_loses_nothing_to_stale_range_skipping
     read = [outcome.get(o) for o in range(16, high)]
     assert set(read) <= {"trained", "stale"} and read.count("trained") >= 8, read
     assert trainer._timestamp_types == {topic: timestamps == "LogAppendTime"}
+
+
+def test_replay_and_profile_read_past_hostile_records(
+    kafka: KafkaConfig, namespace: str, tmp_path: Path
+) -> None:
+    from pipeline import profile
+    from pipeline.replay import read_recording, record
+    from pipeline.topics import telemetry_topic
+
+    ensure_topics(kafka, namespace_topics(namespace, ["math"], 1))
+    rng = np.random.default_rng(41)
+    kinds = hostile(rng, CODEC.encode(member("g", 0, rng)))
+    p = kafka.producer()
+    p.produce(rollout_topic(namespace, "math"), kinds["overflow"][0][0], b"overflow")
+    p.produce(telemetry_topic(namespace), b"\xc3\x01 not telemetry", b"garbage")
+    p.flush(10)
+    ids = produce_groups(kafka, namespace, 1, seed=42)
+    stats = record(kafka, namespace, tmp_path / "rec.avro")
+    assert (stats.records, stats.undecodable) == (5, 1)
+    records = list(read_recording(tmp_path / "rec.avro"))
+    assert sorted(r.trajectory.trajectory_id for r in records if r.trajectory) == sorted(ids)
+    bad = [r for r in records if r.trajectory is None]
+    assert bad[0].key == b"overflow" and (bad[0].error or "").startswith("tensor_mismatch")
+    telemetry = profile.read(kafka, namespace, timeout_s=30)
+    assert telemetry.undecodable == 1 and profile.summarize(telemetry)["undecodable_records"] == 1
