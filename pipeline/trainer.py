@@ -638,6 +638,18 @@ class Trainer:
                 "counter",
                 "records sent to the dead-letter topic",
             ),
+            Sample(
+                "rlstream_trainer_deadletter_failures_total",
+                self.deadletter_failures,
+                "counter",
+                "dead letters the client refused or Kafka did not take (records still settled)",
+            ),
+            Sample(
+                "rlstream_trainer_nonfinite_steps_total",
+                self.nonfinite_steps,
+                "counter",
+                "steps not applied because their loss or gradients were not finite",
+            ),
         ]
         out += [
             Sample(
