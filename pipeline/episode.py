@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -230,6 +230,28 @@ async def run_episode(
         track,
         {"env": env.name, "group": member.group_id, "status": status},
     )
+    return _trajectory(
+        member,
+        env.name,
+        tokenizer.id,
+        producer_id,
+        rec,
+        reward=reward if status == "ok" else 0.0,
+        rewards=rewards,
+        status=status,
+        timings=Timings(int(started * 1000), int(time.time() * 1000), gen_s, env_s),
+        metadata={"task": member.task.task_id},
+    )
+
+
+def _trajectory(
+    member: GroupSlot,
+    env: str,
+    tokenizer_id: str,
+    producer_id: str,
+    rec: _Recorder,
+    **fields: Any,
+) -> Trajectory:
     return Trajectory(
         trajectory_id=str(uuid.uuid4()),
         group_id=member.group_id,
@@ -237,18 +259,14 @@ async def run_episode(
         group_index=member.group_index,
         task_id=member.task.task_id,
         producer_id=producer_id,
-        env=env.name,
-        tokenizer_id=tokenizer.id,
+        env=env,
+        tokenizer_id=tokenizer_id,
         tokens=np.asarray(rec.tokens, TOKEN_DTYPE),
         loss_mask=np.asarray(rec.mask, MASK_DTYPE),
         logprobs=np.asarray(rec.logprobs, LOGPROB_DTYPE),
         version_spans=rec.spans(),
         turns=rec.turns,
-        reward=reward if status == "ok" else 0.0,
-        rewards=rewards,
-        status=status,
-        timings=Timings(int(started * 1000), int(time.time() * 1000), gen_s, env_s),
-        metadata={"task": member.task.task_id},
+        **fields,
     )
 
 
@@ -263,20 +281,12 @@ def failed_trajectory(
     broke the contract): no tokens, reward 0, status ``env_error``, the error in its
     metadata. Its group stays complete, and the failure is counted where it is trained."""
     now = int(time.time() * 1000)
-    return Trajectory(
-        trajectory_id=str(uuid.uuid4()),
-        group_id=member.group_id,
-        group_size=member.group_size,
-        group_index=member.group_index,
-        task_id=member.task.task_id,
-        producer_id=producer_id,
-        env=env,
-        tokenizer_id=tokenizer_id,
-        tokens=np.zeros(0, TOKEN_DTYPE),
-        loss_mask=np.zeros(0, MASK_DTYPE),
-        logprobs=np.zeros(0, LOGPROB_DTYPE),
-        version_spans=[],
-        turns=[],
+    return _trajectory(
+        member,
+        env,
+        tokenizer_id,
+        producer_id,
+        _Recorder(0),
         reward=0.0,
         rewards={},
         status="env_error",
