@@ -278,16 +278,13 @@ def http_app(
             raise protocol.ConnectorError(
                 "oversized", f"a body of {declared} bytes (limit {max_request_bytes})"
             )
-        chunks, size = [], 0
-        async with asyncio.timeout(body_timeout_s):
-            async for chunk in request.content.iter_chunked(64 * 1024):
-                size += len(chunk)
-                if size > max_request_bytes:
-                    raise protocol.ConnectorError(
-                        "oversized", f"a body over {max_request_bytes} bytes"
-                    )
-                chunks.append(chunk)
-        return b"".join(chunks)
+        try:
+            async with asyncio.timeout(body_timeout_s):
+                return await request.read()  # (bounded by client_max_size)
+        except web.HTTPRequestEntityTooLarge:
+            raise protocol.ConnectorError(
+                "oversized", f"a body over {max_request_bytes} bytes"
+            ) from None
 
     app = web.Application(client_max_size=max_request_bytes)
     app.router.add_get("/v1/health", health)

@@ -295,6 +295,11 @@ def test_the_server_answers_oversized_and_half_sent_bodies_in_json() -> None:
             # 10 MB declared: refused at once, in the protocol's JSON
             status, body = await _raw(port, b"PUT", 10_000_000, b"x" * 1000)
             assert status == 413 and json.loads(body)["error"]["code"] == "too_large"
+            # 2 MiB sent in chunks, with no length declared: refused in JSON too
+            chunk = b"x" * 65536
+            chunked = (b"%x\r\n" % len(chunk) + chunk + b"\r\n") * 32 + b"0\r\n\r\n"
+            status, body = await _raw(port, b"PUT", None, chunked)
+            assert status == 413 and json.loads(body)["error"]["code"] == "too_large"
             # a body that stops half-way is not waited for
             start = time.monotonic()
             status, body = await _raw(port, b"PUT", 100, b'{"version": 1')
@@ -306,11 +311,16 @@ def test_the_server_answers_oversized_and_half_sent_bodies_in_json() -> None:
     asyncio.run(main())
 
 
-async def _raw(port: int, method: bytes, length: int, body: bytes) -> tuple[int, bytes]:
+async def _raw(port: int, method: bytes, length: int | None, body: bytes) -> tuple[int, bytes]:
+    """One request written by hand (``length`` None: chunked); the status and body."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    framing = b"Transfer-Encoding: chunked" if length is None else b"Content-Length: %d" % length
     writer.write(
-        method + b" /v1/sessions/abc HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        b"Content-Length: " + str(length).encode() + b"\r\n\r\n" + body
+        method
+        + b" /v1/sessions/abc HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + framing
+        + b"\r\n\r\n"
+        + body
     )
     await writer.drain()
     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
