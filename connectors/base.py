@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import importlib
 import json
 import logging
 import math
@@ -108,37 +109,61 @@ class Environment(abc.ABC):
         """Release what the episode holds (sessions, processes)."""
 
 
-_REGISTRY: dict[str, Callable[..., Environment]] = {}
+#: environments by name: a factory, or where to import one from ("module:attribute"),
+#: imported on first use (so that listing or naming environments builds none of them)
+_REGISTRY: dict[str, Callable[..., Environment] | str] = {
+    "guess": "connectors.builtin:GuessNumber",
+    "calc": "connectors.builtin:Calculator",
+    "gym": "connectors.gym:GymEnvironment",
+    "http": "connectors.http:HttpEnvironment",
+    "process": "connectors.process:ProcessEnvironment",
+}
 
 
-def register(name: str, factory: Callable[..., Environment]) -> None:
-    """Make ``factory(**options)`` available as environment ``name``."""
+def register(name: str, factory: Callable[..., Environment] | str) -> None:
+    """Make ``factory(**options)`` available as environment ``name``; ``factory`` may be
+    an import string ``"package.module:Class"``, imported when first used."""
     _REGISTRY[name] = factory
 
 
 def registered() -> list[str]:
     """Names of the registered environments and connectors."""
-    _load_builtins()
     return sorted(_REGISTRY)
+
+
+def factory(name: str) -> Callable[..., Environment]:
+    """The factory registered as ``name``, imported now if it was given as a string."""
+    entry = _REGISTRY.get(name)
+    if entry is None:
+        raise InvalidConfigError(
+            f"unknown environment {name!r}: registered are {', '.join(sorted(_REGISTRY))}"
+        )
+    if isinstance(entry, str):
+        module, _, attr = entry.partition(":")
+        try:
+            entry = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise InvalidConfigError(f"environment {name!r}: cannot load {entry}: {e}") from None
+        _REGISTRY[name] = entry
+    return entry
 
 
 def make(name: str, /, **options: Any) -> Environment:
     """A new environment instance of registered ``name``."""
-    _load_builtins()
-    if name not in _REGISTRY:
-        raise InvalidConfigError(
-            f"unknown environment {name!r}: registered are {', '.join(sorted(_REGISTRY))}"
-        )
     try:
-        return _REGISTRY[name](**options)
+        return factory(name)(**options)
     except TypeError as e:
         raise InvalidConfigError(f"environment {name!r}: bad options {options}: {e}") from None
 
 
 def env_name(name: str, options: Mapping[str, Any] | None = None) -> str:
-    """The name trajectories of environment ``name`` carry (a connector may take it
-    from an option): the one its rollout topic is named after."""
-    return make(name, **dict(options or {})).name
+    """The name trajectories of environment ``name`` carry, the one its rollout topic is
+    named after, without building it: the ``name`` option of a connector that takes one,
+    else the class's ``name``."""
+    options = dict(options or {})
+    if isinstance(options.get("name"), str):
+        return str(options["name"])
+    return str(getattr(factory(name), "name", "") or name)
 
 
 class SharedResource(Protocol):
@@ -182,11 +207,3 @@ def parse_options(items: Sequence[str]) -> dict[str, Any]:
         except json.JSONDecodeError:
             out[key] = value
     return out
-
-
-def _load_builtins() -> None:
-    # (each registers on import; the gym connector imports gymnasium only when used)
-    import connectors.builtin
-    import connectors.gym
-    import connectors.http
-    import connectors.process  # noqa: F401

@@ -18,7 +18,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from connectors.base import Environment, LatencyModel, Step, Task, register
+from connectors.base import Environment, LatencyModel, Step, Task
 from connectors.tools import Tool, ToolRegistry
 
 _INT = re.compile(r"-?\d+")
@@ -161,7 +161,3 @@ class Calculator(Environment):
     async def _calc(self, expression: str) -> str:
         await asyncio.sleep(self.latency.sample(self._rng))
         return str(safe_arithmetic(expression))
-
-
-register("guess", GuessNumber)
-register("calc", Calculator)

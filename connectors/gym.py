@@ -17,7 +17,7 @@ import random
 from collections.abc import Mapping
 from typing import Any
 
-from connectors.base import Environment, SeedTask, Step, Task, register
+from connectors.base import Environment, SeedTask, Step, Task
 from connectors.protocol import plain
 from pipeline.errors import InvalidConfigError
 
@@ -34,6 +34,8 @@ def _gymnasium() -> Any:
 
 class GymEnvironment(Environment):
     """One episode of Gymnasium environment ``id``, made with ``kwargs``."""
+
+    name = "gym"  # (the ``name`` option overrides it)
 
     def __init__(self, id: str, name: str = "gym", kwargs: Mapping[str, Any] | None = None) -> None:
         self.gymnasium = _gymnasium()
@@ -74,6 +76,3 @@ def _text(obs: Any) -> str:
     if not isinstance(obs, str):
         raise TypeError(f"observation is {type(obs).__name__}, not text")
     return obs
-
-
-register("gym", GymEnvironment)

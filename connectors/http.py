@@ -33,7 +33,7 @@ from tenacity import (
 )
 
 from connectors import protocol
-from connectors.base import Environment, SeedTask, Step, Task, register, shared
+from connectors.base import Environment, SeedTask, Step, Task, shared
 from connectors.stats import count
 from pipeline.errors import InvalidConfigError
 
@@ -66,6 +66,8 @@ class HttpPool:
 class HttpEnvironment(Environment):
     """A remote environment; ``name`` is the one its trajectories carry (and the rollout
     topic's), by default ``http``."""
+
+    name = "http"  # (the ``name`` option overrides it)
 
     def __init__(
         self,
@@ -212,6 +214,3 @@ _KNOWN_CODES = frozenset(
 def _code(msg: Mapping[str, Any]) -> str:
     err = msg.get("error")
     return str(err.get("code", "")) if isinstance(err, dict) else ""
-
-
-register("http", HttpEnvironment)

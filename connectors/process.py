@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from connectors import protocol
-from connectors.base import Environment, SeedTask, Step, Task, register, shared
+from connectors.base import Environment, SeedTask, Step, Task, shared
 from connectors.stats import count
 from pipeline.errors import InvalidConfigError
 
@@ -160,6 +160,8 @@ class ChildPool:
 class ProcessEnvironment(Environment):
     """An environment in a child process; ``name`` is the one its trajectories carry."""
 
+    name = "process"  # (the ``name`` option overrides it)
+
     def __init__(
         self,
         command: str | Sequence[str],
@@ -248,6 +250,3 @@ class ProcessEnvironment(Environment):
         child, self._child = self._child, None
         if child is not None:
             await self._pool().release(child, healthy=False)
-
-
-register("process", ProcessEnvironment)

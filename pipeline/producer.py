@@ -25,7 +25,7 @@ from typing import Any
 import confluent_kafka
 
 from connectors import stats as connector_stats
-from connectors.base import close_shared, env_name, make
+from connectors.base import Environment, close_shared, env_name, make
 from pipeline.episode import EpisodeLimits, GroupSlot, failed_trajectory, run_episode
 from pipeline.errors import InvalidConfigError, InvalidTrajectoryError, ProducerFailedError
 from pipeline.kafka import KafkaConfig
@@ -170,6 +170,7 @@ class RolloutProducer:
             )
         self._rng = random.Random(cfg.seed)
         self._env_name = env_name(cfg.env, cfg.env_options)
+        self._tasks: Environment | None = None
         self._failures_in_a_row = 0
         self.last_failure = ""
         #: why the producer gave up (raised by ``run`` once everything is flushed)
@@ -368,8 +369,9 @@ class RolloutProducer:
                 await asyncio.gather(*pending, return_exceptions=True)
 
     def _new_group(self) -> list[GroupSlot]:
-        env = make(self.cfg.env, **self.cfg.env_options)
-        task = env.sample_task(self._rng)
+        if self._tasks is None:  # one instance draws every group's task
+            self._tasks = make(self.cfg.env, **self.cfg.env_options)
+        task = self._tasks.sample_task(self._rng)
         gid = f"{self.cfg.producer_id}-{uuid.uuid4().hex[:12]}"
         g = self.cfg.group_size
         return [GroupSlot(gid, g, i, task) for i in range(g)]
@@ -442,7 +444,7 @@ class RolloutProducer:
             return
         monitor = LagMonitor(
             self.kafka,
-            rollout_topic(self.cfg.namespace, env_name(self.cfg.env, self.cfg.env_options)),
+            rollout_topic(self.cfg.namespace, self._env_name),
             f"{self.cfg.namespace}.trainer",
         )
         try:

@@ -1,12 +1,14 @@
 """The trainer: a member of consumer group ``<ns>.trainer`` that filters, batches and
 trains, and checkpoints so that every trajectory is trained at most once and none is lost.
 
-Per record: settled-before-restart records are skipped; the staleness filter drops a
-record from its headers alone when ``version - min_version > max_staleness``; records
-that do not decode (or carry another tokenizer) go to ``<ns>.deadletter``; the rest wait
-in the group buffer until their GRPO group is complete. When the trainer is far behind, a
-whole range of a partition that is certainly stale (produced before the version that is
-``max_staleness`` steps old was announced) is skipped with one seek.
+Per record: settled-before-restart records are skipped; :mod:`pipeline.intake` judges
+the rest (the staleness filter drops a record from its headers alone when ``version -
+min_version > max_staleness``; records that do not decode or break the training contract
+go to ``<ns>.deadletter``, whatever the failure); the rest wait in the group buffer until
+their GRPO group is complete (a repeated or foreign member is refused there). When the
+trainer is far behind, a whole range of a partition that is certainly stale (appended
+before the version that is ``max_staleness`` steps old was announced, by the broker's
+clock) is skipped with one seek.
 
 Every ``publish_every`` steps, in this order: the ledger lines are durable, an orbax
 checkpoint (train state, version, positions) is durable, the positions are committed to
@@ -34,10 +36,10 @@ from flax import nnx
 
 from pipeline.batching import GroupBuffer, GroupQueue, Refused, assemble, bucket_for
 from pipeline.checkpoint import save_params
-from pipeline.codec import AvroCodec, TrajectoryCodec, TrajectoryHeaders
 from pipeline.contract import MAX_ABS_REWARD, RecordContract
 from pipeline.errors import InvalidConfigError, RecordDecodeError, TrainingDivergedError
 from pipeline.grpo import GRPOConfig, all_finite, init_state, make_train_step
+from pipeline.intake import DeadLetters, RecordJudge
 from pipeline.kafka import MAX_MESSAGE_BYTES, KafkaConfig
 from pipeline.ledger import Ledger
 from pipeline.model import ModelConfig, init_model
@@ -46,16 +48,11 @@ from pipeline.prometheus import Sample
 from pipeline.telemetry import metric, span
 from pipeline.tensorboard import ScalarWriter, flatten
 from pipeline.tokenizer import TOKENIZER_ID, ByteTokenizer
-from pipeline.topics import ROLLOUTS, check_name, deadletter_topic, env_of, log_append_time
-from pipeline.trajectory import Trajectory
+from pipeline.topics import ROLLOUTS, check_name, env_of, log_append_time
 from pipeline.transport import Coordinates
 from pipeline.weights import announce, announcement
 
 log = logging.getLogger(__name__)
-
-#: a dead letter larger than this keeps only the first DEADLETTER_PREFIX bytes of the value
-DEADLETTER_BYTES = MAX_MESSAGE_BYTES - 64 * 1024
-DEADLETTER_PREFIX = 64 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,8 +125,6 @@ class Trainer:
         self.tx = cfg.grpo.optimizer()
         self.graphdef, self.state = init_state(init_model(cfg.model, cfg.seed), self.tx)
         self.train_step = make_train_step(self.graphdef, cfg.grpo, self.tx)
-        self.codec = TrajectoryCodec()
-        self.dead_codec = AvroCodec("DeadLetter")
         self.ledger = Ledger(cfg.run_dir / "ledger.jsonl")
         self.metrics_path = cfg.run_dir / "metrics.jsonl"
         self.scalars = ScalarWriter(cfg.run_dir / "tensorboard")  # the same rows, for TensorBoard
@@ -140,16 +135,15 @@ class Trainer:
         self.ready = GroupQueue(cfg.env_weights)
         self.drops: Counter[str] = Counter()
         self.drops_by_env: Counter[str] = Counter()
-        self.deadlettered = 0
-        self.deadletter_failures = 0
         self._timestamp_types: dict[str, bool] = {}
         self.nonfinite_steps = 0  # steps not applied (non-finite loss or gradient)
         self.nonfinite_in_a_row = 0
-        self.contract = RecordContract(
+        contract = RecordContract(
             min(ByteTokenizer().vocab_size, cfg.model.vocab_size),
             cfg.max_abs_reward,
             cfg.min_logprob,
         )
+        self.judge = RecordJudge(contract, TOKENIZER_ID, cfg.max_record_bytes)
         self.commit_failures = 0
         self.trained = 0  # samples trained by this process
         self.last_metrics: dict[str, Any] = {}  # the latest step's metrics row
@@ -168,6 +162,7 @@ class Trainer:
             self.consumer = source
             self.consumer.subscribe([], on_assign=self._on_assign, on_revoke=self._on_revoke)
             self.producer: Any = None
+            self.dead_letters = DeadLetters(None, cfg.namespace, cfg.trainer_id)
             return
         if kafka is None:
             raise InvalidConfigError("a trainer needs a Kafka cluster or a recording")
@@ -183,6 +178,15 @@ class Trainer:
         pattern = "^" + cfg.namespace.replace("-", "\\-") + ROLLOUTS.replace(".", "\\.") + ".*"
         self.consumer.subscribe([pattern], on_assign=self._on_assign, on_revoke=self._on_revoke)
         self.producer = kafka.producer()
+        self.dead_letters = DeadLetters(self.producer, cfg.namespace, cfg.trainer_id)
+
+    @property
+    def deadlettered(self) -> int:
+        return self.dead_letters.count
+
+    @property
+    def deadletter_failures(self) -> int:
+        return self.dead_letters.failures
 
     # ---- restore and positions --------------------------------------------------------
 
@@ -314,12 +318,10 @@ class Trainer:
         env = env_of(m.topic()) or "?"
         if self.source is None and where.timestamp_ms > 0:  # time the record spent in Kafka
             metric("kafka_latency_s", time.time() - where.timestamp_ms / 1000, env=env)
-        try:
-            verdict = self._judge(m)
-        except Exception as e:  # whatever a record provokes, it is settled, never retried
-            verdict = RecordDecodeError("internal", f"{type(e).__name__}: {str(e)[:500]}")
+        # (a recording has no bound on versions: it is trained from version 0 again)
+        verdict = self.judge(m, self._stale, None if self.source is not None else self.version)
         if isinstance(verdict, RecordDecodeError):
-            self._deadletter(m, verdict)
+            self.dead_letters.send(m, verdict)
             return self._drop(None, where, verdict.reason, env)
         if isinstance(verdict, str):  # dropped without being invalid (stale, too long ...)
             return self._drop(None, where, verdict, env)
@@ -332,40 +334,11 @@ class Trainer:
             return self._drop(t.trajectory_id, where, "group_size", env)
         group = self.buffer.add(t, where)
         if isinstance(group, Refused):
-            self._deadletter(m, RecordDecodeError(group.reason, group.detail))
+            self.dead_letters.send(m, RecordDecodeError(group.reason, group.detail))
             return self._drop(t.trajectory_id, where, group.reason, env)
         if group is not None:
             self.ready.put(group)
         return None
-
-    def _judge(self, m: Any) -> Trajectory | RecordDecodeError | str:
-        """A record's trajectory if it may be trained, the decode or contract error that
-        refuses it, or the reason to drop it unread (``stale``)."""
-        try:
-            raw_headers = m.headers()
-        except Exception as e:  # e.g. a header name that is not UTF-8
-            return RecordDecodeError("bad_header", f"headers unreadable: {str(e)[:200]}")
-        h = TrajectoryHeaders.parse(raw_headers)
-        if h.min_version is not None and h.min_version >= 0 and self._stale(h.min_version):
-            return "stale"
-        value = m.value() or b""
-        if len(value) > self.cfg.max_record_bytes:
-            return RecordDecodeError(
-                "oversized",
-                f"{len(value)} bytes, more than max_record_bytes {self.cfg.max_record_bytes}",
-            )
-        try:
-            with span("decode", "kafka"):
-                t = self.codec.decode(value)
-        except RecordDecodeError as e:
-            return e
-        if t.tokenizer_id != TOKENIZER_ID:
-            return RecordDecodeError("tokenizer", f"{t.tokenizer_id[:80]} is not {TOKENIZER_ID}")
-        newest = None if self.source is not None else self.version  # (a recording: no bound)
-        violation = self.contract.violation(t, newest)
-        if violation is not None:
-            return RecordDecodeError(*violation)
-        return t
 
     def _stale(self, min_version: int) -> bool:
         return self.version - min_version > self.cfg.max_staleness
@@ -380,69 +353,6 @@ class Trainer:
     def _drop_group(self, g: Any, reason: str) -> None:
         for mem in g.members.values():
             self._drop(mem.trajectory.trajectory_id, mem.where, reason, g.env)
-
-    def _deadletter(self, m: Any, e: RecordDecodeError) -> None:
-        """Send the record with its reason to ``<ns>.deadletter``. A letter that would not
-        fit in a Kafka message keeps only a prefix of the value (its full size in the
-        message and the ``rlstream.value_size`` header); one the client still refuses is
-        logged and counted: the record is settled either way."""
-        self.deadlettered += 1
-        if self.producer is None:  # training from a recording: the ledger has it
-            return
-        try:
-            headers = {str(k): v for k, v in (m.headers() or []) if v is not None}
-        except Exception:  # unreadable headers are why this record is here
-            headers = {}
-        value, key = m.value(), m.key()
-        message = e.detail[:2000]
-        size = len(value or b"") + len(key or b"")
-        size += sum(len(k) + len(v) for k, v in headers.items())
-        if size > DEADLETTER_BYTES:
-            headers = {k: v for k, v in headers.items() if len(k) + len(v) <= 1024}
-            headers["rlstream.value_size"] = str(len(value or b"")).encode()
-            message += f" (value cut to its first {DEADLETTER_PREFIX} of {len(value or b'')} bytes)"
-            value, key = (value or b"")[:DEADLETTER_PREFIX], (key or b"")[:1024]
-        record = {
-            "source_topic": m.topic(),
-            "source_partition": m.partition(),
-            "source_offset": m.offset(),
-            "key": key,
-            "headers": headers,
-            "value": value,
-            "error_class": e.reason,
-            "error_message": message,
-            "component": self.cfg.trainer_id,
-            "time_ms": int(time.time() * 1000),
-        }
-        try:
-            data = self.dead_codec.encode(record)
-            while True:
-                try:
-                    self.producer.produce(
-                        deadletter_topic(self.cfg.namespace),
-                        data,
-                        key,
-                        on_delivery=self._on_deadletter,
-                    )
-                    break
-                except BufferError:
-                    self.producer.poll(0.1)
-        except Exception as ex:  # e.g. a letter the client refuses: the record stays settled
-            self.deadletter_failures += 1
-            log.warning(
-                "dead letter not sent topic=%s partition=%d offset=%d reason=%s error=%s",
-                m.topic(),
-                m.partition(),
-                m.offset(),
-                e.reason,
-                str(ex)[:200],
-            )
-        self.producer.poll(0)
-
-    def _on_deadletter(self, err: Any, msg: Any) -> None:
-        if err is not None:
-            self.deadletter_failures += 1
-            log.warning("dead letter not delivered error=%s", err.str())
 
     def _stale_until(self, tps: list[Any]) -> dict[tuple[str, int], int]:
         """Per partition, the first offset that may not be certainly stale: records

@@ -20,12 +20,13 @@ from pipeline.checkpoint import restore_params
 from pipeline.codec import HEADER_SIZE, AvroCodec, TrajectoryCodec, to_avro_dict
 from pipeline.errors import TrainingDivergedError
 from pipeline.grpo import GRPOConfig, all_finite
+from pipeline.intake import DEADLETTER_PREFIX
 from pipeline.kafka import MAX_MESSAGE_BYTES, KafkaConfig
 from pipeline.ledger import read_ledger
 from pipeline.testing import make_trajectory
 from pipeline.tokenizer import TOKENIZER_ID
 from pipeline.topics import deadletter_topic, ensure_topics, namespace_topics, rollout_topic
-from pipeline.trainer import DEADLETTER_PREFIX, Trainer
+from pipeline.trainer import Trainer
 from pipeline.trajectory import Trajectory
 from tests.integration.test_trainer import CFG, produce_groups, run_until, trainer_config
 

@@ -181,7 +181,7 @@ def test_unreadable_headers_and_unforeseen_failures_become_refusals(tmp_path: Pa
     good = CODEC.encode(make_trajectory(40, env="math", turns=2, tokenizer_id=TOK.id))
     trainer._intake(Message(0, good, SystemError("header name is not UTF-8")))
     # a codec failure nobody foresaw is still a refusal with a reason, never a crash
-    trainer.codec = None  # type: ignore[assignment]
+    trainer.judge.codec = None  # type: ignore[assignment]
     trainer._intake(Message(1, good))
     assert dict(trainer.drops) == {"bad_header": 1, "internal": 1}
     assert trainer.deadlettered == 2
