@@ -401,14 +401,13 @@ class RolloutProducer:
                 status = t.status
             except InvalidTrajectoryError as e:  # e.g. a policy that sampled NaN
                 self._failed(member, f"record refused: {e}")
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # dropped after the grace period: counted there
             raise
         except Exception as e:
             log.warning("episode failed group=%s error=%r", member.group_id, e)
             self._failed(member, f"{type(e).__name__}: {e}")
-        finally:
-            self.stats.finished[status] += 1
-            self._note_outcome(status)
+        self.stats.finished[status] += 1
+        self._note_outcome(status)
 
     def _failed(self, member: GroupSlot, error: str) -> None:
         self.stats.failed += 1

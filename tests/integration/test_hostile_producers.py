@@ -171,3 +171,40 @@ def test_an_episode_whose_record_cannot_be_encoded_is_written_as_a_failed_record
         "record refused",
         "RuntimeError",
     }
+
+
+class Hanging(Broken):
+    """An environment whose every step hangs."""
+
+    name = "hanging"
+
+    async def reset(self, task: Task) -> str:
+        return "go"
+
+    async def step(self, action: str) -> Step:
+        import asyncio
+
+        await asyncio.Event().wait()
+        raise AssertionError("never reached")
+
+
+register("hanging", Hanging)
+
+
+def test_episodes_dropped_at_shutdown_are_counted_once(kafka: KafkaConfig, namespace: str) -> None:
+    from pipeline.episode import EpisodeLimits
+
+    ensure_topics(kafka, namespace_topics(namespace, ["hanging"], 1))
+    cfg = producer_config(
+        namespace,
+        env="hanging",
+        grace_s=0.5,
+        limits=EpisodeLimits(max_new_tokens=4, step_timeout_s=600, episode_timeout_s=600),
+    )
+    producer = RolloutProducer(cfg, kafka)
+    th = run_in_thread(producer)
+    wait_for(lambda: producer.stats.started >= 8, 60)
+    producer.stop()
+    th.join(60)
+    st = producer.stats
+    assert st.dropped == st.started > 0 and sum(st.finished.values()) == 0
