@@ -279,7 +279,10 @@ class RolloutProducer:
         self.server.start()
         if self.weights is not None:
             self.weights.start()
-            self.weights.caught_up.wait(timeout=30)  # start from the latest announced weights
+            deadline = time.monotonic() + 30  # start from the latest announced weights
+            while not (self.weights.caught_up.wait(0.1) or self.stop_event.is_set()):
+                if time.monotonic() > deadline:
+                    break
         try:
             asyncio.run(self._main())
         finally:

@@ -293,6 +293,8 @@ class Trainer:
         from pipeline.grpo import Batch
 
         for t in sorted(self.cfg.buckets):
+            if self.stop_event.is_set():  # a stop during start-up is not held up by compiles
+                return
             r = self.cfg.rows
             empty = Batch(
                 np.zeros((r, t), np.int32),
