@@ -46,6 +46,12 @@ class SeedTask(Task):
 
     seed: int = 0
 
+    @classmethod
+    def draw(cls, rng: random.Random) -> SeedTask:
+        """A new seed task from ``rng`` (what a remote environment's ``sample_task`` is)."""
+        seed = rng.randrange(2**31)
+        return cls(f"seed-{seed}", {}, seed)
+
 
 @dataclass(frozen=True)
 class Step:
@@ -71,6 +77,13 @@ class LatencyModel:
         if self.median_s <= 0:
             return 0.0
         return min(self.cap_s, self.median_s * math.exp(rng.gauss(0.0, self.sigma)))
+
+
+def with_latency(options: Mapping[str, Any], latency_ms: float, sigma: float) -> dict[str, Any]:
+    """An environment's options with a simulated :class:`LatencyModel` (none at 0 ms)."""
+    if latency_ms <= 0:
+        return dict(options)
+    return {**options, "latency": LatencyModel(latency_ms / 1000, sigma)}
 
 
 class Environment(abc.ABC):

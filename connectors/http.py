@@ -91,8 +91,7 @@ class HttpEnvironment(Environment):
         self._seq = 0
 
     def sample_task(self, rng: random.Random) -> Task:
-        seed = rng.randrange(2**31)
-        return SeedTask(f"seed-{seed}", {}, seed)
+        return SeedTask.draw(rng)
 
     async def reset(self, task: Task) -> str:
         self._sid, self._seq = uuid.uuid4().hex, 0

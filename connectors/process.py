@@ -38,7 +38,7 @@ class ChildDied(protocol.ConnectorError):
         super().__init__("died", message)
 
 
-class Child:
+class ServerProcess:
     """One child process and its request/answer stream."""
 
     def __init__(self, proc: asyncio.subprocess.Process, max_line_bytes: int) -> None:
@@ -104,15 +104,15 @@ class Child:
             await asyncio.wait_for(self.proc.wait(), 5)
 
 
-class ChildPool:
+class ServerProcessPool:
     """Idle children of one command, shared by the episodes of a producer."""
 
     def __init__(self, argv: Sequence[str], max_line_bytes: int, cwd: str | None) -> None:
         self.argv, self.max_line_bytes, self.cwd = list(argv), max_line_bytes, cwd
-        self.idle: list[Child] = []
-        self.busy: set[Child] = set()
+        self.idle: list[ServerProcess] = []
+        self.busy: set[ServerProcess] = set()
 
-    async def acquire(self) -> Child:
+    async def acquire(self) -> ServerProcess:
         while self.idle:
             child = self.idle.pop()
             if child.alive:
@@ -132,11 +132,11 @@ class ChildPool:
             count("process", "spawn_failed")
             raise protocol.ConnectorError("spawn_failed", f"{self.argv[0]}: {e}") from None
         count("process", "started")
-        child = Child(proc, self.max_line_bytes)
+        child = ServerProcess(proc, self.max_line_bytes)
         self.busy.add(child)
         return child
 
-    async def release(self, child: Child, healthy: bool = True) -> None:
+    async def release(self, child: ServerProcess, healthy: bool = True) -> None:
         """Back to the idle children, or killed and reaped when dead or not ``healthy``."""
         self.busy.discard(child)
         if healthy and child.alive:
@@ -177,17 +177,16 @@ class ProcessEnvironment(Environment):
             raise InvalidConfigError("call_timeout_s must be positive")
         self.argv, self.name = argv, name
         self.call_timeout_s, self.max_line_bytes, self.cwd = call_timeout_s, max_line_bytes, cwd
-        self._child: Child | None = None
+        self._child: ServerProcess | None = None
         self._session = ""
         self._seq = 0
 
     def sample_task(self, rng: random.Random) -> Task:
-        seed = rng.randrange(2**31)
-        return SeedTask(f"seed-{seed}", {}, seed)
+        return SeedTask.draw(rng)
 
-    def _pool(self) -> ChildPool:
+    def _pool(self) -> ServerProcessPool:
         key = ("process", tuple(self.argv), self.max_line_bytes, self.cwd)
-        return shared(key, lambda: ChildPool(self.argv, self.max_line_bytes, self.cwd))
+        return shared(key, lambda: ServerProcessPool(self.argv, self.max_line_bytes, self.cwd))
 
     async def reset(self, task: Task) -> str:
         self._session = os.urandom(8).hex()

@@ -20,12 +20,45 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from connectors import protocol
 from connectors.base import Environment, Task, make
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What ``rlstream env serve`` serves (``rlstream env serve NAME``)."""
+
+    #: short flags for settings
+    FLAGS: ClassVar[dict[str, str | tuple[str, ...]]] = {
+        "env_option": "env_options",
+        "session_ttl": "session_ttl_s",
+        "call_timeout": "call_timeout_s",
+    }
+
+    #: registered environment name (rlstream env list)
+    env: str = "guess"
+    #: environment constructor options (a VALUE is read as JSON if it parses)
+    env_options: Mapping[str, Any] = field(default_factory=dict)
+    #: address to bind (loopback only by default: there is no authentication)
+    host: str = "127.0.0.1"
+    #: HTTP port (0: any free one)
+    port: int = 8765
+    #: JSON lines on stdin/stdout instead of HTTP (a child of the process connector)
+    stdio: bool = False
+    #: open sessions at most
+    max_sessions: int = 1024
+    #: close sessions idle this long (s)
+    session_ttl_s: float = 600.0
+    #: fail an environment call after this long (s)
+    call_timeout_s: float = 60.0
+    #: bytes one session may hold (its task, its last answer)
+    max_session_bytes: int = 256 * 1024
+    #: bytes all sessions together may hold
+    max_total_bytes: int = 64 * 1024 * 1024
 
 
 class HostError(Exception):
@@ -63,11 +96,11 @@ class SessionHost:
         env_name: str,
         options: Mapping[str, Any] | None = None,
         *,
-        max_sessions: int = 1024,
-        session_ttl_s: float = 600.0,
-        call_timeout_s: float = 60.0,
-        max_session_bytes: int = 256 * 1024,
-        max_total_bytes: int = 64 * 1024 * 1024,
+        max_sessions: int = ServeConfig.max_sessions,
+        session_ttl_s: float = ServeConfig.session_ttl_s,
+        call_timeout_s: float = ServeConfig.call_timeout_s,
+        max_session_bytes: int = ServeConfig.max_session_bytes,
+        max_total_bytes: int = ServeConfig.max_total_bytes,
     ) -> None:
         self.env_name, self.options = env_name, dict(options or {})
         probe = make(env_name, **self.options)  # a clear error now, not at the first reset
@@ -80,6 +113,18 @@ class SessionHost:
         self.sessions: dict[str, _Session] = {}
         self.requests = 0
         self._closing: set[asyncio.Future[None]] = set()
+
+    @classmethod
+    def from_config(cls, cfg: ServeConfig) -> SessionHost:
+        return cls(
+            cfg.env,
+            cfg.env_options,
+            max_sessions=cfg.max_sessions,
+            session_ttl_s=cfg.session_ttl_s,
+            call_timeout_s=cfg.call_timeout_s,
+            max_session_bytes=cfg.max_session_bytes,
+            max_total_bytes=cfg.max_total_bytes,
+        )
 
     def health(self) -> dict[str, Any]:
         return {

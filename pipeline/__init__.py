@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pipeline.codec import AvroCodec, TrajectoryCodec, TrajectoryHeaders
 from pipeline.errors import (
     BrokerError,
     InvalidConfigError,
@@ -12,8 +11,9 @@ from pipeline.errors import (
     RecordDecodeError,
     RlstreamError,
 )
-from pipeline.schema_store import SchemaStore
-from pipeline.trajectory import Timings, Trajectory, Turn, VersionSpan
+from pipeline.records.codec import AvroCodec, TrajectoryCodec, TrajectoryHeaders
+from pipeline.records.schema_store import SchemaStore
+from pipeline.records.trajectory import Timings, Trajectory, Turn, VersionSpan
 
 __version__ = "0.1.0"
 

@@ -39,7 +39,7 @@ class RecordDecodeError(RlstreamError, ValueError):
     - ``oversized``: a value larger than the reader's bound, refused undecoded;
     - ``tokenizer``: written with another tokenizer than the reader's;
     - ``token_range``, ``bad_logprob``, ``reward_bound``, ``future_version``: the
-      training contract (:mod:`pipeline.contract`);
+      training contract (:mod:`pipeline.train.contract`);
     - ``duplicate``, ``env_mismatch``: a repeated or foreign member of a GRPO group;
     - ``internal``: reading the record raised something unforeseen (the message names
       it); the record is settled like any other refusal.

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pipeline.tokenizer import ByteTokenizer
-from pipeline.trajectory import (
+from pipeline.policy.tokenizer import ByteTokenizer
+from pipeline.records.trajectory import (
     LOGPROB_DTYPE,
     MASK_DTYPE,
     TOKEN_DTYPE,
@@ -26,7 +26,7 @@ from pipeline.trajectory import (
 )
 
 if TYPE_CHECKING:
-    from pipeline.policy_server import TurnResult
+    from pipeline.policy.server import TurnResult
 
 
 def make_trajectory(
@@ -97,7 +97,7 @@ def _spans(mask: np.ndarray, versions: tuple[int, ...]) -> tuple[VersionSpan, ..
 
 
 class ScriptedPolicy:
-    """Stands in for a :class:`~pipeline.policy_server.PolicyServer`: each turn says the
+    """Stands in for a :class:`~pipeline.policy.server.PolicyServer`: each turn says the
     next of ``turns`` (token lists), so that tests drive episodes deterministically (tool
     calls, exact answers) without a model. ``fed`` records what each turn was given."""
 
@@ -116,7 +116,7 @@ class ScriptedPolicy:
     async def generate(
         self, slot: int, tokens: list[int], max_new: int, *, reset: bool = False
     ) -> TurnResult:
-        from pipeline.policy_server import TurnResult  # (jax, only when a test needs it)
+        from pipeline.policy.server import TurnResult  # (jax, only when a test needs it)
 
         self.fed.append(list(tokens))
         out = self.turns.pop(0)

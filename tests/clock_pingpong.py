@@ -13,8 +13,8 @@ import os
 import sys
 import time
 
-from pipeline.kafka import KafkaConfig
-from pipeline.telemetry import Tracer, install, span
+from pipeline.kafka.client import KafkaConfig
+from pipeline.observe.telemetry import Tracer, install, span
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.kafka import KafkaConfig
+from pipeline.kafka.client import KafkaConfig
 
 
 def free_port_pair(count: int = 2) -> int:
@@ -42,7 +42,7 @@ def bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if os.environ.get("RLSTREAM_BOOTSTRAP"):
         yield os.environ["RLSTREAM_BOOTSTRAP"]
         return
-    from pipeline.broker import BrokerConfig, LocalBroker
+    from pipeline.kafka.broker import BrokerConfig, LocalBroker
 
     data_dir: Path = tmp_path_factory.mktemp("broker")
     broker = LocalBroker(BrokerConfig(data_dir=data_dir, port=free_port_pair()))

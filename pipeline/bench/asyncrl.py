@@ -16,21 +16,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.cli import Cluster, StopFlag
-from pipeline.report import busy_share, mean_over_envs, moving_mean, trainer_metrics
-from pipeline.run import Run, RunConfig
+from pipeline.launch.cluster import Cluster
+from pipeline.launch.config import RunConfig
+from pipeline.launch.run import Run
+from pipeline.launch.stop import StopFlag
+from pipeline.observe.report import busy_share, mean_over_envs, moving_mean, trainer_metrics
 
 MODES = ("async", "sync")
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     base = Path(args.run_dir or f"runs/bench-async-{stamp}")
     latency_ms = 100.0 if args.latency_ms is None else args.latency_ms
     sigma = 1.5 if args.latency_sigma is None else args.latency_sigma
     stop = StopFlag().install()
     walls, busy, success, curves = {}, {}, {}, {}
-    with Cluster(args) as kafka:
+    with cluster as kafka:
         for mode in MODES:
             cfg = RunConfig(
                 steps=args.steps or 30,

@@ -20,8 +20,9 @@ import numpy as np
 from fastavro import parse_schema, schemaless_reader, schemaless_writer
 
 from pipeline.bench._timing import rates
-from pipeline.codec import TrajectoryCodec, to_avro_dict
-from pipeline.schema_store import default_store
+from pipeline.launch.cluster import Cluster
+from pipeline.records.codec import TrajectoryCodec, to_avro_dict
+from pipeline.records.schema_store import default_store
 from pipeline.testing import make_trajectory
 
 ARRAY_FIELDS = {"tokens": "int", "loss_mask": "int", "logprobs": "float"}
@@ -41,7 +42,7 @@ def avro_arrays_schema() -> Any:
     return parse_schema(schema)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
     t = make_trajectory(args.tokens, rng=np.random.default_rng(0))
     codec = TrajectoryCodec()
     encoded = codec.encode(t)

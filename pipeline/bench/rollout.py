@@ -15,17 +15,17 @@ import uuid
 from typing import Any
 
 from connectors.base import LatencyModel
-from pipeline.cli import Cluster
-from pipeline.episode import EpisodeLimits
-from pipeline.kafka import KafkaConfig
-from pipeline.producer import AdmissionConfig, ProducerConfig, RolloutProducer
-from pipeline.topics import ensure_topics, namespace_topics
+from pipeline.kafka.client import KafkaConfig
+from pipeline.kafka.topics import ensure_topics, namespace_topics
+from pipeline.launch.cluster import Cluster
+from pipeline.rollout.config import AdmissionConfig, EpisodeLimits, ProducerConfig
+from pipeline.rollout.producer import RolloutProducer
 
 LEVELS = (1, 8, 64)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    with Cluster(args) as kafka:
+def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
+    with cluster as kafka:
         seconds = args.seconds or 15.0
         latency_ms = 50.0 if args.latency_ms is None else args.latency_ms
         rates = {c: measure(kafka, c, seconds, latency_ms / 1000) for c in LEVELS}

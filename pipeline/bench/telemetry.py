@@ -25,17 +25,17 @@ import time
 import uuid
 from typing import Any
 
-from pipeline.cli import Cluster
-from pipeline.episode import EpisodeLimits
-from pipeline.kafka import KafkaConfig
-from pipeline.producer import AdmissionConfig, ProducerConfig, RolloutProducer
-from pipeline.telemetry import NullTracer, Tracer, install, span
+from pipeline.kafka.client import KafkaConfig
+from pipeline.launch.cluster import Cluster
+from pipeline.observe.telemetry import NullTracer, Tracer, install, span
+from pipeline.rollout.config import AdmissionConfig, EpisodeLimits, ProducerConfig
+from pipeline.rollout.producer import RolloutProducer
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
     seconds = args.seconds or 10.0
     pairs = max(2, args.rounds)
-    with Cluster(args) as kafka:
+    with cluster as kafka:
         return measure(kafka, seconds, pairs, args.concurrency)
 
 
@@ -64,7 +64,7 @@ def span_cost_s(n: int = 200_000) -> float:
 
 
 def measure(kafka: KafkaConfig, seconds: float, pairs: int, concurrency: int) -> dict[str, Any]:
-    from pipeline.topics import ensure_topics, namespace_topics
+    from pipeline.kafka.topics import ensure_topics, namespace_topics
 
     ns = f"benchtelemetry{uuid.uuid4().hex[:8]}"
     ensure_topics(kafka, namespace_topics(ns, ["guess"], 4))

@@ -15,18 +15,19 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from pipeline.cli import Cluster
-from pipeline.episode import EpisodeLimits
-from pipeline.producer import AdmissionConfig, ProducerConfig, RolloutProducer
-from pipeline.topics import ensure_topics, namespace_topics
-from pipeline.trainer import Trainer, TrainerConfig
+from pipeline.kafka.topics import ensure_topics, namespace_topics
+from pipeline.launch.cluster import Cluster
+from pipeline.rollout.config import AdmissionConfig, EpisodeLimits, ProducerConfig
+from pipeline.rollout.producer import RolloutProducer
+from pipeline.train.config import TrainerConfig
+from pipeline.train.trainer import Trainer
 
 WARMUP_STEPS = 3
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
     steps = args.steps or 20
-    with Cluster(args) as kafka, tempfile.TemporaryDirectory() as tmp:
+    with cluster as kafka, tempfile.TemporaryDirectory() as tmp:
         ns = f"benchtrainer{uuid.uuid4().hex[:8]}"
         ensure_topics(kafka, namespace_topics(ns, ["guess"], 4))
         rows = 64

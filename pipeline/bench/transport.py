@@ -23,20 +23,20 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.broker import ensure_jars, find_java, kafka_home
-from pipeline.cli import Cluster
-from pipeline.codec import TrajectoryCodec
-from pipeline.kafka import MAX_MESSAGE_BYTES, KafkaConfig
+from pipeline.kafka.broker import ensure_jars, find_java, kafka_home
+from pipeline.kafka.client import MAX_MESSAGE_BYTES, KafkaConfig
+from pipeline.kafka.topics import TopicSpec, ensure_topics
+from pipeline.kafka.transport import Decoded, TrajectoryReader, TrajectoryWriter
+from pipeline.launch.cluster import Cluster
+from pipeline.records.codec import TrajectoryCodec
 from pipeline.testing import make_trajectory
-from pipeline.topics import TopicSpec, ensure_topics
-from pipeline.transport import Decoded, TrajectoryReader, TrajectoryWriter
 
 ENV = "bench"
 _PRODUCER_PERF = re.compile(r"(\d+) records sent, ([\d.]+) records/sec \(([\d.]+) MB/sec\)")
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    with Cluster(args) as kafka:
+def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
+    with cluster as kafka:
         return _measure(kafka, args.records, args.tokens)
 
 

@@ -23,18 +23,19 @@ from typing import Any
 import numpy as np
 
 from connectors.base import LatencyModel
-from pipeline.checkpoint import save_params
-from pipeline.cli import Cluster
-from pipeline.episode import EpisodeLimits
-from pipeline.model import ModelConfig, init_model
-from pipeline.producer import AdmissionConfig, ProducerConfig, RolloutProducer
-from pipeline.tokenizer import TOKENIZER_ID
-from pipeline.topics import ensure_topics, namespace_topics
-from pipeline.weights import announce, announcement
+from pipeline.kafka.topics import ensure_topics, namespace_topics
+from pipeline.kafka.weights import announce, announcement
+from pipeline.launch.cluster import Cluster
+from pipeline.policy.checkpoint import save_params
+from pipeline.policy.config import ModelConfig
+from pipeline.policy.model import init_model
+from pipeline.policy.tokenizer import TOKENIZER_ID
+from pipeline.rollout.config import AdmissionConfig, EpisodeLimits, ProducerConfig
+from pipeline.rollout.producer import RolloutProducer
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    with Cluster(args) as kafka, tempfile.TemporaryDirectory() as tmp:
+def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
+    with cluster as kafka, tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         ns = f"benchweights{uuid.uuid4().hex[:8]}"
         ensure_topics(kafka, namespace_topics(ns, ["guess"], 4))

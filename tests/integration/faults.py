@@ -15,11 +15,11 @@ from typing import Any
 
 import confluent_kafka
 
-from pipeline.kafka import KafkaConfig
-from pipeline.ledger import outcomes, read_ledger
-from pipeline.report import read_jsonl
-from pipeline.topics import rollout_topic
-from pipeline.transport import Decoded, TrajectoryReader
+from pipeline.kafka.client import KafkaConfig
+from pipeline.kafka.topics import rollout_topic
+from pipeline.kafka.transport import Decoded, TrajectoryReader
+from pipeline.observe.report import read_jsonl
+from pipeline.records.ledger import outcomes, read_ledger
 
 ROOT = Path(__file__).resolve().parents[2]
 

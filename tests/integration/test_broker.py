@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.broker import BrokerConfig, LocalBroker
 from pipeline.errors import BrokerError, MissingToolError
-from pipeline.kafka import KafkaConfig
-from pipeline.topics import TopicSpec, describe_topics, ensure_topics
+from pipeline.kafka.broker import BrokerConfig, LocalBroker
+from pipeline.kafka.client import KafkaConfig
+from pipeline.kafka.topics import TopicSpec, describe_topics, ensure_topics
 from tests.conftest import free_port_pair
 
 pytestmark = pytest.mark.integration
@@ -101,7 +101,7 @@ def test_missing_java_says_what_to_install(tmp_path: Path) -> None:
 def test_missing_maven_says_what_to_install(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pipeline.broker import ensure_jars
+    from pipeline.kafka.broker import ensure_jars
 
     (tmp_path / "pom.xml").write_text("<project/>")
     monkeypatch.setenv("PATH", "/nonexistent")

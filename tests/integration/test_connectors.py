@@ -20,11 +20,12 @@ import pytest
 
 from connectors import stats
 from connectors.base import Environment, Task, close_shared, make
-from pipeline.codec import TrajectoryCodec
-from pipeline.episode import EpisodeLimits, GroupSlot, run_episode
+from pipeline.policy.tokenizer import ByteTokenizer
+from pipeline.records.codec import TrajectoryCodec
+from pipeline.records.trajectory import Trajectory
+from pipeline.rollout.config import EpisodeLimits
+from pipeline.rollout.episode import GroupSlot, run_episode
 from pipeline.testing import ScriptedPolicy
-from pipeline.tokenizer import ByteTokenizer
-from pipeline.trajectory import Trajectory
 
 ROOT = Path(__file__).resolve().parents[2]
 RLSTREAM = [sys.executable, "-m", "pipeline.cli"]
@@ -310,9 +311,9 @@ def test_producer_against_env_serve_in_another_process(
 ) -> None:
     """``rlstream produce`` drives a served environment: every episode a record in the
     served environment's topic; then against a flaky server, retries keep it whole."""
-    from pipeline.kafka import KafkaConfig
-    from pipeline.topics import rollout_topic
-    from pipeline.transport import Decoded, TrajectoryReader
+    from pipeline.kafka.client import KafkaConfig
+    from pipeline.kafka.topics import rollout_topic
+    from pipeline.kafka.transport import Decoded, TrajectoryReader
 
     url = serve("guess", "--port", "0")
     common = [

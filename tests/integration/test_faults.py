@@ -18,14 +18,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pipeline.broker import BrokerConfig, LocalBroker
-from pipeline.codec import HEADER_SIZE, MARKER, AvroCodec, TrajectoryCodec, to_avro_dict
-from pipeline.kafka import KafkaConfig
-from pipeline.ledger import read_ledger
+from pipeline.kafka.broker import BrokerConfig, LocalBroker
+from pipeline.kafka.client import KafkaConfig
+from pipeline.kafka.topics import deadletter_topic, ensure_topics, namespace_topics, rollout_topic
+from pipeline.policy.tokenizer import TOKENIZER_ID
+from pipeline.records.codec import HEADER_SIZE, MARKER, AvroCodec, TrajectoryCodec, to_avro_dict
+from pipeline.records.ledger import read_ledger
 from pipeline.testing import make_trajectory
-from pipeline.tokenizer import TOKENIZER_ID
-from pipeline.topics import deadletter_topic, ensure_topics, namespace_topics, rollout_topic
-from pipeline.trainer import Trainer
+from pipeline.train.trainer import Trainer
 from tests.conftest import free_port_pair
 from tests.integration.faults import (
     ROOT,

@@ -18,14 +18,14 @@ import numpy as np
 import pytest
 
 from connectors.base import Environment, Step, Task, register
-from pipeline.checkpoint import save_params
 from pipeline.errors import ProducerFailedError
-from pipeline.kafka import KafkaConfig
-from pipeline.model import init_model
-from pipeline.producer import RolloutProducer
-from pipeline.tokenizer import TOKENIZER_ID
-from pipeline.topics import ensure_topics, namespace_topics
-from pipeline.weights import announce, announcement
+from pipeline.kafka.client import KafkaConfig
+from pipeline.kafka.topics import ensure_topics, namespace_topics
+from pipeline.kafka.weights import announce, announcement
+from pipeline.policy.checkpoint import save_params
+from pipeline.policy.model import init_model
+from pipeline.policy.tokenizer import TOKENIZER_ID
+from pipeline.rollout.producer import RolloutProducer
 from tests.integration.test_producer import (
     CFG,
     producer_config,
@@ -52,7 +52,7 @@ def test_hostile_announcements_are_refused_and_the_weights_thread_lives_on(
     zero = announcement(3, 3, v2, CFG, TOKENIZER_ID, "t")
     zero["model_config"] = json.dumps({**json.loads(CFG.to_json()), "num_heads": 0})
     announce(p, namespace, zero)
-    caplog.set_level(logging.WARNING, logger="pipeline.weights")
+    caplog.set_level(logging.WARNING, logger="pipeline.kafka.weights")
     producer = RolloutProducer(producer_config(namespace, checkpoint_roots=(root,)), kafka)
     th = run_in_thread(producer)
     weights = producer.weights
@@ -140,7 +140,7 @@ def test_a_producer_whose_episodes_all_fail_stops_with_one_sentence(
 def test_an_episode_whose_record_cannot_be_encoded_is_written_as_a_failed_record(
     kafka: KafkaConfig, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import pipeline.producer as producer_module
+    import pipeline.rollout.producer as producer_module
 
     ensure_topics(kafka, namespace_topics(namespace, ["guess"], 1))
     real = producer_module.run_episode
@@ -192,7 +192,7 @@ register("hanging", Hanging)
 
 
 def test_episodes_dropped_at_shutdown_are_counted_once(kafka: KafkaConfig, namespace: str) -> None:
-    from pipeline.episode import EpisodeLimits
+    from pipeline.rollout.config import EpisodeLimits
 
     ensure_topics(kafka, namespace_topics(namespace, ["hanging"], 1))
     cfg = producer_config(

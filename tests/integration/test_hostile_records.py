@@ -16,18 +16,19 @@ import numpy as np
 import pytest
 from confluent_kafka import TopicPartition
 
-from pipeline.checkpoint import restore_params
-from pipeline.codec import HEADER_SIZE, AvroCodec, TrajectoryCodec, to_avro_dict
 from pipeline.errors import TrainingDivergedError
-from pipeline.grpo import GRPOConfig, all_finite
-from pipeline.intake import DEADLETTER_PREFIX
-from pipeline.kafka import MAX_MESSAGE_BYTES, KafkaConfig
-from pipeline.ledger import read_ledger
+from pipeline.kafka.client import MAX_MESSAGE_BYTES, KafkaConfig
+from pipeline.kafka.topics import deadletter_topic, ensure_topics, namespace_topics, rollout_topic
+from pipeline.policy.checkpoint import restore_params
+from pipeline.policy.model import all_finite
+from pipeline.policy.tokenizer import TOKENIZER_ID
+from pipeline.records.codec import HEADER_SIZE, AvroCodec, TrajectoryCodec, to_avro_dict
+from pipeline.records.ledger import read_ledger
+from pipeline.records.trajectory import Trajectory
 from pipeline.testing import make_trajectory
-from pipeline.tokenizer import TOKENIZER_ID
-from pipeline.topics import deadletter_topic, ensure_topics, namespace_topics, rollout_topic
-from pipeline.trainer import Trainer
-from pipeline.trajectory import Trajectory
+from pipeline.train.config import GRPOConfig
+from pipeline.train.intake import DEADLETTER_PREFIX
+from pipeline.train.trainer import Trainer
 from tests.integration.test_trainer import CFG, produce_groups, run_until, trainer_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -238,7 +239,7 @@ def test_a_producer_clock_ten_minutes_slow_loses_nothing_to_stale_range_skipping
     run_until(trainer, lambda: trainer.version >= 2)
     # 100 fresh records (the trainer's own version) from a producer whose clock is 10
     # minutes slow: CreateTime would date them before every announcement
-    from pipeline.transport import TrajectoryWriter
+    from pipeline.kafka.transport import TrajectoryWriter
 
     writer = TrajectoryWriter(kafka, namespace)
     slow_ms = int(time.time() * 1000) - 600_000
@@ -277,15 +278,15 @@ def test_a_producer_clock_ten_minutes_slow_loses_nothing_to_stale_range_skipping
     }
     read = [outcome.get(o) for o in range(16, high)]
     assert set(read) <= {"trained", "stale"} and read.count("trained") >= 8, read
-    assert trainer._timestamp_types == {topic: timestamps == "LogAppendTime"}
+    assert trainer.stale_ranges._timestamp_types == {topic: timestamps == "LogAppendTime"}
 
 
 def test_replay_and_profile_read_past_hostile_records(
     kafka: KafkaConfig, namespace: str, tmp_path: Path
 ) -> None:
-    from pipeline import profile
-    from pipeline.replay import read_recording, record
-    from pipeline.topics import telemetry_topic
+    from pipeline.kafka.replay import read_recording, record
+    from pipeline.kafka.topics import telemetry_topic
+    from pipeline.observe import profile
 
     ensure_topics(kafka, namespace_topics(namespace, ["math"], 1))
     rng = np.random.default_rng(41)

@@ -9,17 +9,17 @@ import uuid
 import numpy as np
 import pytest
 
-from pipeline.codec import AvroCodec, TrajectoryHeaders
-from pipeline.kafka import KafkaConfig
-from pipeline.testing import make_trajectory
-from pipeline.topics import (
+from pipeline.kafka.client import KafkaConfig
+from pipeline.kafka.topics import (
     ensure_topics,
     namespace_topics,
     rollout_topic,
     rollout_topics,
     weights_topic,
 )
-from pipeline.transport import Decoded, TrajectoryReader, TrajectoryWriter
+from pipeline.kafka.transport import Decoded, TrajectoryReader, TrajectoryWriter
+from pipeline.records.codec import AvroCodec, TrajectoryHeaders
+from pipeline.testing import make_trajectory
 
 pytestmark = pytest.mark.integration
 

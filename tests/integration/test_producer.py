@@ -17,16 +17,17 @@ import numpy as np
 import pytest
 from confluent_kafka import TopicPartition
 
-from pipeline.checkpoint import save_params
-from pipeline.codec import TrajectoryHeaders
-from pipeline.episode import EpisodeLimits
-from pipeline.kafka import KafkaConfig
-from pipeline.model import ModelConfig, init_model, token_logprobs
-from pipeline.producer import AdmissionConfig, ProducerConfig, RolloutProducer
-from pipeline.tokenizer import TOKENIZER_ID
-from pipeline.topics import ensure_topics, namespace_topics, rollout_topic
-from pipeline.transport import Decoded, TrajectoryReader
-from pipeline.weights import announce, announcement
+from pipeline.kafka.client import KafkaConfig
+from pipeline.kafka.topics import ensure_topics, namespace_topics, rollout_topic
+from pipeline.kafka.transport import Decoded, TrajectoryReader
+from pipeline.kafka.weights import announce, announcement
+from pipeline.policy.checkpoint import save_params
+from pipeline.policy.config import ModelConfig
+from pipeline.policy.model import init_model, token_logprobs
+from pipeline.policy.tokenizer import TOKENIZER_ID
+from pipeline.records.codec import TrajectoryHeaders
+from pipeline.rollout.config import AdmissionConfig, EpisodeLimits, ProducerConfig
+from pipeline.rollout.producer import RolloutProducer
 
 pytestmark = pytest.mark.integration
 
@@ -69,7 +70,7 @@ def test_records_arrive_decodable_with_keys_and_headers(kafka: KafkaConfig, name
             msgs.append(m)
     consumer.close()
     assert len(msgs) == 16
-    from pipeline.codec import TrajectoryCodec
+    from pipeline.records.codec import TrajectoryCodec
 
     codec = TrajectoryCodec()
     groups: dict[str, list[int]] = {}

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from confluent_kafka import TopicPartition
 
-from pipeline.checkpoint import restore_params
-from pipeline.kafka import KafkaConfig
-from pipeline.replay import RecordingError, RecordingSource, read_recording, record
-from pipeline.topics import ensure_topics, namespace_topics, rollout_topic
-from pipeline.trainer import Trainer
+from pipeline.kafka.client import KafkaConfig
+from pipeline.kafka.replay import RecordingError, RecordingSource, read_recording, record
+from pipeline.kafka.topics import ensure_topics, namespace_topics, rollout_topic
+from pipeline.policy.checkpoint import restore_params
+from pipeline.train.trainer import Trainer
 from tests.integration.test_trainer import CFG, produce_groups, trainer_config
 
 pytestmark = pytest.mark.integration

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.ledger import read_ledger
+from pipeline.records.ledger import read_ledger
 from tests.conftest import free_port_pair
 from tests.integration.test_cli import last_json
 
@@ -188,7 +188,14 @@ def test_a_short_run_trains_reports_and_leaves_nothing_running(
         assert f"plots/{name}.png" in report
     config = json.loads((run_dir / "config.json").read_text())
     assert config["steps"] == 3 and config["producers"] == 2
-    assert "learning_rate" in config and config["sync"] is False
+    assert config["grpo"]["learning_rate"] == 1e-3 and config["sync"] is False
+    assert config["model"]["d_model"] == 128  # every setting, the loss and the model included
+    # each child ran the configuration the run wrote for it
+    trainer_cfg = json.loads((run_dir / "configs" / "trainer.json").read_text())
+    assert trainer_cfg["max_steps"] == 3 and trainer_cfg["grpo"] == config["grpo"]
+    producer_cfg = json.loads((run_dir / "configs" / "producer-1.json").read_text())
+    assert producer_cfg["producer_id"] == "producer-1"
+    assert producer_cfg["admission"]["trainer_batch"] == 2 * 4  # the trainer's batch
 
     # every process's spans on one timeline; the profile's counts agree with the ledger
     profile = json.loads((run_dir / "profile.json").read_text())

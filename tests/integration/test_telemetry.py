@@ -13,8 +13,8 @@ from typing import IO
 
 import pytest
 
-from pipeline.kafka import KafkaConfig
-from pipeline.topics import ensure_topics, namespace_topics
+from pipeline.kafka.client import KafkaConfig
+from pipeline.kafka.topics import ensure_topics, namespace_topics
 
 pytestmark = pytest.mark.integration
 

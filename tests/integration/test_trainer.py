@@ -18,23 +18,23 @@ import numpy as np
 import pytest
 from confluent_kafka import TopicPartition
 
-from pipeline.checkpoint import digest
-from pipeline.codec import AvroCodec
-from pipeline.grpo import GRPOConfig
-from pipeline.kafka import KafkaConfig
-from pipeline.ledger import outcomes, read_ledger
-from pipeline.model import ModelConfig
-from pipeline.testing import make_trajectory
-from pipeline.tokenizer import TOKENIZER_ID
-from pipeline.topics import (
+from pipeline.kafka.client import KafkaConfig
+from pipeline.kafka.topics import (
     deadletter_topic,
     ensure_topics,
     namespace_topics,
     rollout_topic,
     weights_topic,
 )
-from pipeline.trainer import Trainer, TrainerConfig
-from pipeline.transport import Decoded, TrajectoryReader, TrajectoryWriter
+from pipeline.kafka.transport import Decoded, TrajectoryReader, TrajectoryWriter
+from pipeline.policy.checkpoint import digest
+from pipeline.policy.config import ModelConfig
+from pipeline.policy.tokenizer import TOKENIZER_ID
+from pipeline.records.codec import AvroCodec
+from pipeline.records.ledger import outcomes, read_ledger
+from pipeline.testing import make_trajectory
+from pipeline.train.config import GRPOConfig, TrainerConfig
+from pipeline.train.trainer import Trainer
 
 pytestmark = pytest.mark.integration
 
@@ -160,7 +160,7 @@ def test_bad_records_go_to_the_dead_letter_topic(
     for v in poison:
         p.produce(topic, v, b"k")
     other = make_trajectory(20, env="math", group_id="z", group_size=4, tokenizer_id="gpt2")
-    from pipeline.codec import TrajectoryCodec
+    from pipeline.records.codec import TrajectoryCodec
 
     p.produce(topic, TrajectoryCodec().encode(other), b"z")
     p.flush()

@@ -8,11 +8,17 @@ import pickle
 import numpy as np
 import pytest
 
-from pipeline.codec import MARKER, AvroCodec, TrajectoryCodec, TrajectoryHeaders, to_avro_dict
 from pipeline.errors import InvalidTrajectoryError, RecordDecodeError
-from pipeline.schema_store import default_store
+from pipeline.records.codec import (
+    MARKER,
+    AvroCodec,
+    TrajectoryCodec,
+    TrajectoryHeaders,
+    to_avro_dict,
+)
+from pipeline.records.schema_store import default_store
+from pipeline.records.trajectory import Trajectory, Turn, VersionSpan
 from pipeline.testing import make_trajectory
-from pipeline.trajectory import Trajectory, Turn, VersionSpan
 
 
 def assert_same(a: Trajectory, b: Trajectory) -> None:
@@ -223,7 +229,7 @@ def test_absurd_length_prefix_allocates_nothing(codec: TrajectoryCodec) -> None:
 def test_huge_array_count_is_refused(codec: TrajectoryCodec) -> None:
     import tracemalloc
 
-    from pipeline.avro_binary import write_long
+    from pipeline.records.avro_binary import write_long
 
     d = to_avro_dict(make_trajectory(16, turns=2))
     pos = _position(d, "version_spans", [], [{"start": 0, "end": 1, "version": 0}])

@@ -9,9 +9,9 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.codec import MARKER, TrajectoryCodec
 from pipeline.errors import RecordDecodeError
-from pipeline.trajectory import ROLES, STATUSES, Timings, Trajectory, Turn, VersionSpan
+from pipeline.records.codec import MARKER, TrajectoryCodec
+from pipeline.records.trajectory import ROLES, STATUSES, Timings, Trajectory, Turn, VersionSpan
 
 CODEC = TrajectoryCodec()
 text = st.text(max_size=20)

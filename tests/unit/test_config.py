@@ -13,14 +13,14 @@ import pytest
 import yaml
 from confluent_kafka import KafkaError, KafkaException
 
-from pipeline.broker import (
+from pipeline.errors import InvalidConfigError, KafkaAuthError, KafkaClientError
+from pipeline.kafka.broker import (
     WORKLOAD_SETTINGS,
     BrokerConfig,
     LocalBroker,
     replication_settings,
 )
-from pipeline.errors import InvalidConfigError, KafkaAuthError, KafkaClientError
-from pipeline.kafka import (
+from pipeline.kafka.client import (
     MAX_MESSAGE_BYTES,
     KafkaConfig,
     SecurityConfig,
@@ -28,7 +28,7 @@ from pipeline.kafka import (
     redact,
     wrap_error,
 )
-from pipeline.topics import namespace_topics
+from pipeline.kafka.topics import namespace_topics
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -12,13 +12,15 @@ import numpy as np
 import pytest
 
 from connectors.base import Environment, Step, Task, make
-from pipeline.codec import TrajectoryCodec
-from pipeline.episode import EpisodeLimits, GroupSlot, run_episode
-from pipeline.model import ModelConfig, init_model, token_logprobs
-from pipeline.policy_server import PolicyServer
-from pipeline.sampler import DecodeEngine, SamplingConfig
+from pipeline.policy.config import ModelConfig, SamplingConfig
+from pipeline.policy.model import init_model, token_logprobs
+from pipeline.policy.sampler import DecodeEngine
+from pipeline.policy.server import PolicyServer
+from pipeline.policy.tokenizer import ByteTokenizer
+from pipeline.records.codec import TrajectoryCodec
+from pipeline.rollout.config import EpisodeLimits
+from pipeline.rollout.episode import GroupSlot, run_episode
 from pipeline.testing import ScriptedPolicy
-from pipeline.tokenizer import ByteTokenizer
 
 CFG = ModelConfig(d_model=32, num_layers=1, num_heads=2, d_ff=64, max_len=128)
 TOK = ByteTokenizer()

@@ -9,9 +9,9 @@ import json
 import numpy as np
 import pytest
 
-from pipeline.codec import AvroCodec, TrajectoryCodec
 from pipeline.errors import RecordDecodeError
-from pipeline.schema_store import Schema, SchemaStore, default_store, parse
+from pipeline.records.codec import AvroCodec, TrajectoryCodec
+from pipeline.records.schema_store import Schema, SchemaStore, default_store, parse
 from pipeline.testing import make_trajectory
 
 
@@ -46,7 +46,7 @@ def test_old_writer_new_reader_fills_defaults() -> None:
     old_store = SchemaStore()
     old_store.use_reader(_older())
     t = make_trajectory(32, rng=np.random.default_rng(0))
-    from pipeline.codec import to_avro_dict
+    from pipeline.records.codec import to_avro_dict
 
     d = to_avro_dict(t)
     del d["metadata"]
@@ -64,7 +64,7 @@ def test_old_writer_new_reader_fills_defaults() -> None:
 def test_new_writer_old_reader_ignores_new_field() -> None:
     new_store = SchemaStore()
     new_store.use_reader(_newer())
-    from pipeline.codec import to_avro_dict
+    from pipeline.records.codec import to_avro_dict
 
     t = make_trajectory(32, rng=np.random.default_rng(1))
     d = to_avro_dict(t)
@@ -91,7 +91,7 @@ def test_new_writer_old_reader_ignores_new_field() -> None:
 def test_unknown_writer_version_is_refused() -> None:
     new_store = SchemaStore()
     new_store.use_reader(_newer())
-    from pipeline.codec import to_avro_dict
+    from pipeline.records.codec import to_avro_dict
 
     d = to_avro_dict(make_trajectory(8))
     d["sandbox_id"] = "x"
@@ -110,7 +110,7 @@ def test_new_enum_symbol_unknown_to_old_reader() -> None:
     newer = parse(s)
     new_store = SchemaStore()
     new_store.use_reader(newer)
-    from pipeline.codec import to_avro_dict
+    from pipeline.records.codec import to_avro_dict
 
     d = to_avro_dict(make_trajectory(8))
     d["status"] = "cancelled"

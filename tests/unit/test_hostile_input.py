@@ -20,15 +20,18 @@ import pytest
 from connectors import protocol
 from connectors.base import Environment, Step, Task
 from connectors.serve import HostError, SessionHost, http_app
-from pipeline.checkpoint import digest, save_params, saved_version, snapshot
-from pipeline.codec import TrajectoryCodec, to_avro_dict
-from pipeline.contract import RecordContract
-from pipeline.episode import EpisodeLimits, GroupSlot, run_episode
 from pipeline.errors import InvalidConfigError, RecordDecodeError
-from pipeline.grpo import Batch, GRPOConfig, all_finite, init_state, make_train_step
-from pipeline.model import ModelConfig, init_model
+from pipeline.policy.checkpoint import digest, save_params, saved_version, snapshot
+from pipeline.policy.config import ModelConfig
+from pipeline.policy.model import all_finite, init_model
+from pipeline.policy.tokenizer import ByteTokenizer
+from pipeline.records.codec import TrajectoryCodec, to_avro_dict
+from pipeline.rollout.config import EpisodeLimits
+from pipeline.rollout.episode import GroupSlot, run_episode
 from pipeline.testing import ScriptedPolicy, make_trajectory
-from pipeline.tokenizer import ByteTokenizer
+from pipeline.train.config import GRPOConfig
+from pipeline.train.contract import RecordContract
+from pipeline.train.grpo import Batch, init_state, make_train_step
 
 CODEC = TrajectoryCodec()
 TOK = ByteTokenizer()
@@ -138,7 +141,8 @@ def jax_leaves(tree: Any) -> list[np.ndarray]:
 
 
 def test_unreadable_headers_and_unforeseen_failures_become_refusals(tmp_path: Path) -> None:
-    from pipeline.trainer import Trainer, TrainerConfig
+    from pipeline.train.config import TrainerConfig
+    from pipeline.train.trainer import Trainer
 
     class Source:  # a recording stand-in: the trainer needs no broker to judge records
         exhausted = False
@@ -420,8 +424,9 @@ def test_rewards_that_overflow_end_the_episode_with_a_record_that_encodes() -> N
 
 
 def test_an_endless_observation_is_cut_and_the_context_never_overflows() -> None:
-    from pipeline.policy_server import PolicyServer
-    from pipeline.sampler import DecodeEngine, SamplingConfig
+    from pipeline.policy.config import SamplingConfig
+    from pipeline.policy.sampler import DecodeEngine
+    from pipeline.policy.server import PolicyServer
 
     engine = DecodeEngine(init_model(CFG, 3), 2, SamplingConfig(1.0, seed=4), chunk=8)
     server = PolicyServer(engine, {TOK.eos, TOK.end_call}).start()

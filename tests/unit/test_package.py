@@ -3,6 +3,7 @@ source tree."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import zipfile
@@ -39,7 +40,8 @@ def test_wheel_ships_schemas_and_works_without_the_source_tree(tmp_path: Path) -
     zipfile.ZipFile(wheel).extractall(target)
     code = (
         "import pipeline, sys; assert pipeline.__file__.startswith(sys.argv[1]), pipeline.__file__;"
-        "from pipeline.codec import TrajectoryCodec; from pipeline.testing import make_trajectory;"
+        "from pipeline.records.codec import TrajectoryCodec;"
+        "from pipeline.testing import make_trajectory;"
         "c = TrajectoryCodec(); print(len(c.encode(make_trajectory(8))))"
     )
     out = subprocess.run(
@@ -51,3 +53,24 @@ def test_wheel_ships_schemas_and_works_without_the_source_tree(tmp_path: Path) -
         check=True,
     )
     assert int(out.stdout) > 0
+
+
+def test_an_editable_install_prints_no_warning(tmp_path: Path) -> None:
+    """``pip install -e .`` builds through ``build_editable``: no package-dir remapping, so
+    setuptools has nothing to warn about (it did while schemas/ was remapped)."""
+    code = (
+        "import sys, warnings; warnings.simplefilter('always');"
+        "from setuptools import build_meta;"
+        "build_meta.build_editable(sys.argv[1])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    # (a Python warning: SetuptoolsDeprecationWarning, BuildBackendWarning, ...)
+    assert not re.search(r"\w+Warning\b", out.stdout + out.stderr), out.stderr[-2000:]
+    assert len(list(tmp_path.glob("rlstream-*.editable-*.whl"))) == 1

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.errors import RlstreamError
-from pipeline.prometheus import Exporter, Sample
+from pipeline.observe.prometheus import Exporter, Sample
 
 
 def get(url: str) -> tuple[int, str, str]:

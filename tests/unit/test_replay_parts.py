@@ -7,9 +7,8 @@ from pathlib import Path
 import fastavro
 import pytest
 
-from pipeline.codec import to_avro_dict
 from pipeline.errors import RlstreamError
-from pipeline.replay import (
+from pipeline.kafka.replay import (
     Recorded,
     RecordingError,
     RecordingSource,
@@ -18,6 +17,7 @@ from pipeline.replay import (
     read_recording,
     recording_schema,
 )
+from pipeline.records.codec import to_avro_dict
 from pipeline.testing import make_trajectory
 
 

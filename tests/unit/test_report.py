@@ -8,9 +8,15 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import InvalidConfigError
-from pipeline.ledger import Ledger
-from pipeline.report import busy_series, busy_share, last_json, ledger_summary, trainer_metrics
-from pipeline.run import RunConfig
+from pipeline.launch.config import RunConfig
+from pipeline.observe.report import (
+    busy_series,
+    busy_share,
+    last_json,
+    ledger_summary,
+    trainer_metrics,
+)
+from pipeline.records.ledger import Ledger
 
 
 def test_a_torn_last_line_is_left_for_the_next_read(tmp_path: Path) -> None:

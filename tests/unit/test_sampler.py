@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pipeline.model import ModelConfig, init_model, token_logprobs
-from pipeline.sampler import DecodeEngine, SamplingConfig, sample_tokens
+from pipeline.policy.config import ModelConfig, SamplingConfig
+from pipeline.policy.model import init_model, token_logprobs
+from pipeline.policy.sampler import DecodeEngine, sample_tokens
 
 CFG = ModelConfig(d_model=32, num_layers=2, num_heads=2, d_ff=64, max_len=64)
 
@@ -92,7 +93,7 @@ def test_swap_changes_the_policy_and_the_version() -> None:
 
 
 def test_swapping_in_a_restored_checkpoint_does_not_recompile(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from pipeline.checkpoint import restore_params, save_params
+    from pipeline.policy.checkpoint import restore_params, save_params
 
     engine = DecodeEngine(init_model(CFG, seed=0), slots=2, chunk=4)
     for s in range(2):
@@ -110,7 +111,7 @@ def test_swapping_in_a_restored_checkpoint_does_not_recompile(tmp_path) -> None:
 def test_stop_sequences_end_a_turn() -> None:
     import asyncio
 
-    from pipeline.policy_server import PolicyServer
+    from pipeline.policy.server import PolicyServer
 
     model = init_model(CFG, seed=0)
 
@@ -137,7 +138,7 @@ def test_an_idle_policy_server_takes_new_weights_at_once() -> None:
 
     from flax import nnx
 
-    from pipeline.policy_server import PolicyServer
+    from pipeline.policy.server import PolicyServer
 
     engine = DecodeEngine(init_model(CFG, seed=0), slots=1, sampling=SamplingConfig(0.0))
     server = PolicyServer(engine, set()).start()

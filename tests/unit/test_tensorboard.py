@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from pipeline.tensorboard import ScalarWriter, flatten
+from pipeline.observe.tensorboard import ScalarWriter, flatten
 
 
 def test_scalars_read_back_by_tensorboard(tmp_path: Path) -> None:

@@ -8,12 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pipeline.batching import Group, GroupBuffer, GroupQueue, Refused, assemble, bucket_for
-from pipeline.grpo import Batch, GRPOConfig, group_advantages, init_state, make_train_step
-from pipeline.model import ModelConfig, init_model, token_logprobs
-from pipeline.positions import PositionTracker
+from pipeline.kafka.transport import Coordinates
+from pipeline.policy.config import ModelConfig
+from pipeline.policy.model import init_model, token_logprobs
 from pipeline.testing import make_trajectory
-from pipeline.transport import Coordinates
+from pipeline.train.batching import Group, GroupBuffer, GroupQueue, Refused, assemble, bucket_for
+from pipeline.train.config import GRPOConfig
+from pipeline.train.grpo import Batch, group_advantages, init_state, make_train_step
+from pipeline.train.positions import PositionTracker
 
 TP = ("ns.rollouts.a", 0)
 

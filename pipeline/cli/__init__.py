@@ -1,0 +1,1 @@
+"""The ``rlstream`` command line (entry point: :func:`pipeline.cli.main.main`)."""

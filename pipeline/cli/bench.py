@@ -1,0 +1,104 @@
+"""``rlstream bench``: benchmarks that print ratios measured side by side in one run."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+from pipeline.cli.common import (
+    add_broker_args,
+    add_json_arg,
+    add_kafka_args,
+    cluster,
+    print_result,
+)
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
+    p.add_argument(
+        "which",
+        choices=["codec", "transport", "rollout", "weights", "trainer", "async", "telemetry"],
+    )
+    p.add_argument(
+        "--seconds",
+        type=float,
+        default=None,
+        help="time per measurement (codec: 2 per round; rollout: 15 per level; telemetry: "
+        "10 per window)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="interleaved rounds per contender (telemetry: pairs of windows)",
+    )
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per trajectory")
+    p.add_argument("--records", type=int, default=3000, help="records (transport)")
+    p.add_argument(
+        "--latency-ms",
+        type=float,
+        default=None,
+        help="median environment latency (rollout: 50, async: 100)",
+    )
+    p.add_argument(
+        "--latency-sigma",
+        type=float,
+        default=None,
+        help="its log-normal shape (rollout: 1, async: 1.5)",
+    )
+    p.add_argument("--concurrency", type=int, default=256, help="episodes in flight (async)")
+    p.add_argument(
+        "--eval-episodes", type=int, default=200, help="held-out episodes per policy (async)"
+    )
+    p.add_argument("--run-dir", default=None, help="runs of the async bench")
+    p.add_argument(
+        "--max-staleness",
+        type=int,
+        default=None,
+        help="policy versions (async: 4); with a heavy tail, a group waits for its slowest "
+        "episode and is that much older when it is trained",
+    )
+    p.add_argument("--announcements", type=int, default=10, help="checkpoints (weights)")
+    p.add_argument(
+        "--steps", type=int, default=None, help="measured train steps (trainer: 20, async: 30)"
+    )
+    p.add_argument(
+        "--interval", type=float, default=1.5, help="seconds between announcements (weights)"
+    )
+    add_kafka_args(p)
+    add_broker_args(p)
+    add_json_arg(p)
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pipeline.bench import asyncrl, codec, rollout, telemetry, trainer, transport, weights
+
+    benches: dict[str, Callable[[argparse.Namespace, Any], dict[str, Any]]] = {
+        "async": asyncrl.run,
+        "codec": codec.run,
+        "transport": transport.run,
+        "rollout": rollout.run,
+        "weights": weights.run,
+        "trainer": trainer.run,
+        "telemetry": telemetry.run,
+    }
+    result = benches[args.which](args, cluster(args))
+    print_result(args, result, format_bench(result))
+    return 0
+
+
+def format_bench(result: dict[str, Any]) -> str:
+    lines = [f"bench {result['bench']}"]
+    for section in ("figures", "ratios"):
+        for k, v in result.get(section, {}).items():
+            lines.append(
+                f"  {section[:-1]:6} {k:32} {v:,.4g}"
+                if isinstance(v, float)
+                else f"  {section[:-1]:6} {k:32} {v}"
+            )
+    for k, v in result.get("goals", {}).items():
+        lines.append(f"  goal   {k:32} {v}")
+    return "\n".join(lines)

@@ -1,0 +1,592 @@
+"""Recordings: a namespace's trajectories in an Avro object container file, with their
+Kafka coordinates, to inspect, to publish again elsewhere, or to train from.
+
+A recording is a standard Avro container file (deflate-compressed blocks) of
+``rlstream.RecordedTrajectory`` records; any Avro library reads it. Records are read back
+block by block, so a damaged file yields every record before the damage and then a
+:class:`RecordingError` naming the block.
+
+:class:`RecordingSource` serves a recording to the trainer through the part of the Kafka
+consumer interface the trainer uses, so ``rlstream train --from-file`` runs the same code
+as training from Kafka, deterministically (file order, no clocks).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import confluent_kafka
+import fastavro
+
+from pipeline.errors import RecordDecodeError, RlstreamError
+from pipeline.kafka.client import KafkaConfig
+from pipeline.kafka.topics import env_of, rollout_topics
+from pipeline.kafka.transport import read_ranges
+from pipeline.records.codec import TrajectoryCodec, to_avro_dict
+from pipeline.records.schema_store import default_store
+from pipeline.records.trajectory import Trajectory
+
+RECORD = "RecordedTrajectory"
+
+
+class RecordingError(RlstreamError):
+    """A recording that cannot be read (from the named block on)."""
+
+
+@dataclass
+class Recorded:
+    """One recorded Kafka record: coordinates, and the trajectory or why it failed."""
+
+    topic: str
+    partition: int
+    offset: int
+    timestamp_ms: int
+    key: bytes | None = None
+    headers: dict[str, bytes] = field(default_factory=dict)
+    trajectory: Trajectory | None = None
+    raw: bytes | None = None
+    error: str | None = None
+
+    @property
+    def env(self) -> str:
+        return self.trajectory.env if self.trajectory else (env_of(self.topic) or "?")
+
+
+def recording_schema() -> Any:
+    return default_store().reader(RECORD).parsed
+
+
+# ---- record -------------------------------------------------------------------------
+
+
+@dataclass
+class RecordStats:
+    records: int = 0
+    undecodable: int = 0
+    bytes: int = 0
+    partitions: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+def parse_bound(text: str | None) -> tuple[str, int] | None:
+    """``--from``/``--to``: an offset (``1234``), Unix epoch milliseconds (``ms:...``)
+    or an ISO time (``2026-11-30T01:00:00``, UTC unless it says otherwise)."""
+    if text is None:
+        return None
+    if text.isdigit():
+        return "offset", int(text)
+    if text.startswith("ms:") and text[3:].isdigit():
+        return "time", int(text[3:])
+    from datetime import UTC, datetime
+
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise RlstreamError(
+            f"{text!r} is neither an offset, ms:<epoch millis> nor an ISO time"
+        ) from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return "time", int(moment.timestamp() * 1000)
+
+
+def record(
+    kafka: KafkaConfig,
+    namespace: str,
+    out: Path,
+    envs: Sequence[str] = (),
+    start: tuple[str, int] | None = None,
+    end: tuple[str, int] | None = None,
+    progress: Callable[[RecordStats, int], None] | None = None,
+) -> RecordStats:
+    """Write the namespace's rollout records in ``[start, end)`` (per partition) to
+    ``out``. Reads with partitions assigned directly: it joins no group and commits
+    nothing. Stops at each partition's end as it was when recording began."""
+    topics = rollout_topics(kafka, namespace)
+    if envs:
+        missing = sorted(set(envs) - set(topics))
+        if missing:
+            raise RlstreamError(f"namespace {namespace!r} has no rollout topic for {missing}")
+        topics = {e: t for e, t in topics.items() if e in envs}
+    if not topics:
+        raise RlstreamError(f"namespace {namespace!r} has no rollout topics")
+    consumer = kafka.consumer(
+        f"{namespace}.replay.{uuid.uuid4().hex[:8]}", **{"enable.partition.eof": False}
+    )
+    stats = RecordStats()
+    try:
+        ranges = _ranges(consumer, topics.values(), start, end)
+        total = sum(b - a for a, b in ranges.values())
+        stats.partitions = {f"{t}:{p}": r for (t, p), r in ranges.items()}
+        codec = TrajectoryCodec()
+
+        def records() -> Iterator[dict[str, Any]]:
+            last = time.monotonic()
+            for m in read_ranges(consumer, ranges):
+                stats.records += 1
+                stats.bytes += len(m.value() or b"")
+                yield _recorded_dict(m, codec, stats)
+                if progress and time.monotonic() - last > 1.0:
+                    last = time.monotonic()
+                    progress(stats, total)
+
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".part")
+        with tmp.open("wb") as f:
+            fastavro.writer(f, recording_schema(), records(), codec="deflate")
+        tmp.replace(out)
+        if progress:
+            progress(stats, total)
+    finally:
+        consumer.close()
+    return stats
+
+
+def _ranges(
+    consumer: Any,
+    topics: Any,
+    start: tuple[str, int] | None,
+    end: tuple[str, int] | None,
+) -> dict[tuple[str, int], tuple[int, int]]:
+    md = consumer.list_topics(timeout=10)
+    out = {}
+    for topic in topics:
+        for p in sorted(md.topics[topic].partitions):
+            low, high = consumer.get_watermark_offsets(
+                confluent_kafka.TopicPartition(topic, p), timeout=10
+            )
+            a = _resolve_bound(consumer, topic, p, start, low, high)
+            b = _resolve_bound(consumer, topic, p, end, high, high)
+            out[(topic, p)] = (max(a, low), min(max(b, low), high))
+    return out
+
+
+def _resolve_bound(
+    consumer: Any, topic: str, partition: int, bound: tuple[str, int] | None, dflt: int, high: int
+) -> int:
+    if bound is None:
+        return dflt
+    kind, value = bound
+    if kind == "offset":
+        return value
+    (tp,) = consumer.offsets_for_times(
+        [confluent_kafka.TopicPartition(topic, partition, value)], timeout=10
+    )
+    return high if tp.offset < 0 else int(tp.offset)
+
+
+def _recorded_dict(m: Any, codec: TrajectoryCodec, stats: RecordStats) -> dict[str, Any]:
+    value = m.value() or b""
+    d: dict[str, Any] = {
+        "topic": m.topic(),
+        "partition": m.partition(),
+        "offset": m.offset(),
+        "timestamp_ms": m.timestamp()[1],
+        "key": m.key(),
+        "headers": {},
+        "trajectory": None,
+        "raw": None,
+        "error": None,
+    }
+    try:
+        d["headers"] = {k: v for k, v in (m.headers() or []) if v is not None}
+        d["trajectory"] = to_avro_dict(codec.decode(value))
+    except Exception as e:  # recorded as it came, with the reason: nothing stops a recording
+        reason = e.reason if isinstance(e, RecordDecodeError) else "internal"
+        detail = e.detail if isinstance(e, RecordDecodeError) else f"{type(e).__name__}: {e}"
+        stats.undecodable += 1
+        d["raw"], d["error"] = value, f"{reason}: {detail[:2000]}"
+    return d
+
+
+# ---- read ---------------------------------------------------------------------------
+
+
+def read_recording(path: Path) -> Iterator[Recorded]:
+    """The records of a recording, in file order. A damaged file yields the records
+    before the damage, then raises :class:`RecordingError` naming the block."""
+    codec = TrajectoryCodec()
+    for row in _rows(path):
+        yield _from_dict(row, codec)
+
+
+def _rows(path: Path) -> Iterator[dict[str, Any]]:
+    """The plain Avro values of a recording, block by block (see :func:`read_recording`)."""
+    try:
+        f = path.open("rb")
+    except OSError as e:
+        raise RecordingError(f"cannot open recording {path}: {e.strerror}") from None
+    with f:
+        try:
+            blocks = fastavro.block_reader(f, recording_schema())
+        except Exception as e:  # not an Avro container file at all
+            raise RecordingError(f"{path} is not an rlstream recording: {e}") from None
+        index = 0
+        while True:
+            at = f.tell()
+            try:
+                block = next(blocks)
+                rows = list(block)
+            except StopIteration:
+                return
+            except Exception as e:  # a torn or corrupt block
+                raise RecordingError(
+                    f"{path}: block {index} (from byte {at}) is damaged or truncated: "
+                    f"{type(e).__name__}: {e}"
+                ) from None
+            yield from rows  # type: ignore[misc]
+            index += 1
+
+
+def _from_dict(row: dict[str, Any], codec: TrajectoryCodec) -> Recorded:
+    t = row.get("trajectory")
+    return Recorded(
+        topic=row["topic"],
+        partition=row["partition"],
+        offset=row["offset"],
+        timestamp_ms=row["timestamp_ms"],
+        key=row.get("key"),
+        headers=dict(row.get("headers") or {}),
+        trajectory=codec.from_avro_dict(t) if t is not None else None,
+        raw=row.get("raw"),
+        error=row.get("error"),
+    )
+
+
+def read_namespace(kafka: KafkaConfig, namespace: str, envs: Sequence[str] = ()) -> list[Recorded]:
+    """Every rollout record of a namespace, read as :func:`record` reads (no group)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "ns.avro"
+        record(kafka, namespace, out, envs)
+        return list(read_recording(out))
+
+
+# ---- play ---------------------------------------------------------------------------
+
+
+def play(
+    path: Path,
+    kafka: KafkaConfig,
+    namespace: str,
+    rate: float | None = None,
+    original_timing: bool = False,
+    progress: Callable[[int], None] | None = None,
+    partitions: int = 4,
+) -> int:
+    """Publish a recording into ``namespace``'s rollout topics (the same env, key,
+    headers and value bytes as recorded, undecodable ones included); returns the count."""
+    from pipeline.kafka.topics import ensure_topics, namespace_topics
+    from pipeline.kafka.transport import TrajectoryWriter
+
+    records = list(read_recording(path))
+    envs = sorted({r.env for r in records if r.env != "?"})
+    ensure_topics(kafka, namespace_topics(namespace, envs, partitions))
+    writer = TrajectoryWriter(kafka, namespace)
+    codec = writer.codec
+    start = time.monotonic()
+    first_ts = min((r.timestamp_ms for r in records), default=0)
+    for i, r in enumerate(records):
+        if original_timing:
+            wait = (r.timestamp_ms - first_ts) / 1000 - (time.monotonic() - start)
+        elif rate:
+            wait = i / rate - (time.monotonic() - start)
+        else:
+            wait = 0.0
+        if wait > 0:
+            time.sleep(wait)
+        key = (r.key or b"").decode(errors="replace")
+        if r.trajectory is not None:
+            value = codec.encode(r.trajectory)
+            headers = codec.headers(r.trajectory)
+        else:
+            value, headers = r.raw or b"", list(r.headers.items())
+        writer.write_encoded(r.env, key, value, headers)
+        if progress and i % 100 == 0:
+            progress(i)
+    writer.flush()
+    return len(records)
+
+
+# ---- a recording as the trainer's source -----------------------------------------------
+
+
+class _Message:
+    """A recorded record as a ``confluent_kafka.Message`` looks to the trainer."""
+
+    __slots__ = ("_row", "_value")
+
+    def __init__(self, row: dict[str, Any], value: bytes) -> None:
+        self._row, self._value = row, value
+
+    def error(self) -> None:
+        return None
+
+    def topic(self) -> str:
+        return str(self._row["topic"])
+
+    def partition(self) -> int:
+        return int(self._row["partition"])
+
+    def offset(self) -> int:
+        return int(self._row["offset"])
+
+    def timestamp(self) -> tuple[int, int]:
+        return (confluent_kafka.TIMESTAMP_CREATE_TIME, int(self._row["timestamp_ms"]))
+
+    def key(self) -> bytes | None:
+        key: bytes | None = self._row.get("key")
+        return key
+
+    def value(self) -> bytes:
+        return self._value
+
+    def headers(self) -> list[tuple[str, bytes]]:
+        return list((self._row.get("headers") or {}).items())
+
+
+class RecordingSource:
+    """The consumer calls the trainer makes, answered from a recording, in file order.
+    Nothing is committed anywhere; ``exhausted`` is true once every record was served.
+    Values are served as the single-object bytes of the recorded trajectory (the
+    trainer decodes and checks them, as it does records from Kafka)."""
+
+    def __init__(self, path: Path) -> None:
+        codec = TrajectoryCodec()
+        self._messages = [
+            _Message(
+                row,
+                codec.encode_avro_dict(row["trajectory"])
+                if row.get("trajectory") is not None
+                else (row.get("raw") or b""),
+            )
+            for row in _rows(path)
+        ]
+        self._pos = 0
+        self._on_assign: Any = None
+        self._assigned = False
+        self._bounds: dict[tuple[str, int], tuple[int, int]] = {}
+        for m in self._messages:
+            tp, offset = (m.topic(), m.partition()), m.offset()
+            lo, hi = self._bounds.get(tp, (offset, offset + 1))
+            self._bounds[tp] = (min(lo, offset), max(hi, offset + 1))
+
+    def __len__(self) -> int:
+        return len(self._messages)
+
+    @property
+    def exhausted(self) -> bool:
+        return self._pos >= len(self._messages)
+
+    def subscribe(self, patterns: Any, on_assign: Any = None, on_revoke: Any = None) -> None:
+        self._on_assign = on_assign
+
+    def assign(self, partitions: Any) -> None:
+        self._assigned = True
+
+    def assignment(self) -> list[confluent_kafka.TopicPartition]:
+        return [confluent_kafka.TopicPartition(t, p) for t, p in sorted(self._bounds)]
+
+    def consume(self, num_messages: int = 1, timeout: float = -1) -> list[_Message]:
+        if not self._assigned and self._on_assign is not None:
+            self._on_assign(self, self.assignment())
+            self._assigned = True
+        batch = self._messages[self._pos : self._pos + num_messages]
+        self._pos += len(batch)
+        return batch
+
+    def get_watermark_offsets(self, tp: Any, timeout: float = 0, cached: bool = False) -> Any:
+        return self._bounds.get((tp.topic, tp.partition), (0, 0))
+
+    def offsets_for_times(self, partitions: Any, timeout: float = 0) -> Any:
+        return [confluent_kafka.TopicPartition(tp.topic, tp.partition, -1) for tp in partitions]
+
+    def seek(self, tp: Any) -> None:
+        raise RlstreamError("a recording is read in order; seeking is not supported")
+
+    def commit(self, offsets: Any = None, asynchronous: bool = True) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+# ---- inspect ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LedgerIndex:
+    """What a run's ledger says of each record: trained at which step (and the trainer's
+    version then), or dropped at which step and why."""
+
+    trained: dict[str, tuple[int, int]]
+    dropped_at: dict[tuple[str, int, int], tuple[int, str]]
+    ranges: list[tuple[str, int, int, int, int, str]]
+    entries: list[dict[str, Any]]
+
+    @classmethod
+    def load(cls, run_dir: Path) -> LedgerIndex:
+        from pipeline.records.ledger import read_ledger
+
+        path = run_dir / "ledger.jsonl" if run_dir.is_dir() else run_dir
+        if not path.exists():
+            raise RlstreamError(f"no ledger at {path}")
+        entries = read_ledger(path)
+        trained, dropped, ranges = {}, {}, []
+        for e in entries:
+            for tid, *_ in e["trained"]:
+                trained[tid] = (e["step"], e["version"] - 1)  # the version it trained
+            for _tid, topic, part, where, reason in e["dropped"]:
+                if isinstance(where, list):
+                    ranges.append((topic, part, where[0], where[1], e["step"], reason))
+                else:
+                    dropped[(topic, part, where)] = (e["step"], reason)
+        return cls(trained, dropped, ranges, entries)
+
+    def fate(self, r: Recorded) -> str:
+        t = r.trajectory
+        if t is not None and t.trajectory_id in self.trained:
+            step, version = self.trained[t.trajectory_id]
+            stale = f", staleness {version - t.min_version}" if t.min_version >= 0 else ""
+            return f"trained at step {step} (trainer version {version}{stale})"
+        hit = self.dropped_at.get((r.topic, r.partition, r.offset))
+        if hit is None:
+            for topic, part, a, b, step, reason in self.ranges:
+                if topic == r.topic and part == r.partition and a <= r.offset < b:
+                    hit = (step, reason)
+                    break
+        if hit is not None:
+            return f"dropped at step {hit[0]}: {hit[1]}"
+        return "not in the ledger (not reached by this run)"
+
+    def step(self, n: int) -> dict[str, Any]:
+        lines = [e for e in self.entries if e["step"] == n]
+        if not lines:
+            raise RlstreamError(f"the ledger has no step {n}")
+        return {
+            "step": n,
+            "version": max(e["version"] for e in lines),
+            "trained": [x for e in lines for x in e["trained"]],
+            "dropped": [x for e in lines for x in e["dropped"]],
+        }
+
+
+def parse_filter(text: str | None) -> Callable[[Recorded], bool]:
+    """``env=guess,status=ok,min_reward=0.5`` (also ``max_reward``, ``producer``,
+    ``group``, ``decodable=false``)."""
+    wanted: dict[str, str] = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep:
+            raise RlstreamError(f"filter {item!r} is not KEY=VALUE")
+        if key not in _FILTERS:
+            raise RlstreamError(f"unknown filter {key!r}: {', '.join(_FILTERS)}")
+        if key in ("min_reward", "max_reward"):
+            try:
+                float(value)
+            except ValueError:
+                raise RlstreamError(f"filter {key} needs a number, not {value!r}") from None
+        wanted[key] = value
+
+    def keep(r: Recorded) -> bool:
+        return all(_FILTERS[k](r, v) for k, v in wanted.items())
+
+    return keep
+
+
+def _traj_is(r: Recorded, attr: str, value: str) -> bool:
+    return r.trajectory is not None and str(getattr(r.trajectory, attr)) == value
+
+
+_FILTERS: dict[str, Callable[[Recorded, str], bool]] = {
+    "env": lambda r, v: r.env == v,
+    "status": lambda r, v: _traj_is(r, "status", v),
+    "producer": lambda r, v: _traj_is(r, "producer_id", v),
+    "group": lambda r, v: _traj_is(r, "group_id", v),
+    "min_reward": lambda r, v: r.trajectory is not None and r.trajectory.reward >= float(v),
+    "max_reward": lambda r, v: r.trajectory is not None and r.trajectory.reward <= float(v),
+    "decodable": lambda r, v: (r.trajectory is not None) == (v.lower() in ("1", "true", "yes")),
+}
+
+
+def render(r: Recorded, ledger: LedgerIndex | None = None) -> str:
+    """A recorded trajectory for a person to read."""
+    from pipeline.policy.tokenizer import ByteTokenizer
+
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r.timestamp_ms / 1000))
+    head = f"== {r.topic}[{r.partition}]@{r.offset}  {when} UTC"
+    t = r.trajectory
+    if t is None:
+        lines = [head, f"   undecodable ({len(r.raw or b'')} bytes): {r.error}"]
+        if ledger:
+            lines.append(f"   {ledger.fate(r)}")
+        return "\n".join(lines)
+    tok = ByteTokenizer()
+    spans = ", ".join(f"v{s.version}:{s.start}-{s.end}" for s in t.version_spans) or "none"
+    lines = [
+        f"{head}  env={t.env}  status={t.status}  reward={t.reward:g}",
+        f"   trajectory {t.trajectory_id}  group {t.group_id} ({t.group_index + 1}/"
+        f"{t.group_size})  task {t.task_id}  producer {t.producer_id}",
+        f"   tokens {t.num_tokens} (policy {int(t.loss_mask.sum())})  version spans {spans}",
+    ]
+    if ledger:
+        lines.append(f"   {ledger.fate(r)}")
+    versions = {(s.start, s.end): s.version for s in t.version_spans}
+    for turn in t.turns:
+        text = tok.decode(t.tokens[turn.start : turn.end].tolist())
+        label = turn.role
+        if turn.role == "assistant":
+            vs = sorted({v for (a, b), v in versions.items() if a < turn.end and b > turn.start})
+            label += f" [v{','.join(map(str, vs))}]" if vs else ""
+        if turn.tool_name:
+            label += f" ({'calls' if turn.role == 'assistant' else 'result of'} {turn.tool_name})"
+        lines.append(f"   {label}: {text!r}")
+    rewards = " ".join(f"{k}={v:g}" for k, v in sorted(t.rewards.items()))
+    lines.append(f"   rewards: {rewards or 'none'}")
+    return "\n".join(lines)
+
+
+def summary_json(r: Recorded, ledger: LedgerIndex | None = None) -> dict[str, Any]:
+    """A recorded record for other tools: coordinates, the trajectory's scalars, the
+    conversation as text, and its fate in the ledger."""
+    from pipeline.policy.tokenizer import ByteTokenizer
+
+    out: dict[str, Any] = {
+        "topic": r.topic,
+        "partition": r.partition,
+        "offset": r.offset,
+        "timestamp_ms": r.timestamp_ms,
+        "error": r.error,
+    }
+    t = r.trajectory
+    if t is not None:
+        tok = ByteTokenizer()
+        out |= {
+            "trajectory_id": t.trajectory_id,
+            "group_id": t.group_id,
+            "env": t.env,
+            "status": t.status,
+            "reward": t.reward,
+            "rewards": dict(t.rewards),
+            "producer_id": t.producer_id,
+            "version_spans": [s._asdict() for s in t.version_spans],
+            "turns": [
+                {
+                    "role": turn.role,
+                    "tool": turn.tool_name,
+                    "text": tok.decode(t.tokens[turn.start : turn.end].tolist()),
+                }
+                for turn in t.turns
+            ],
+        }
+    if ledger:
+        out["ledger"] = ledger.fate(r)
+    return out

@@ -1,0 +1,250 @@
+"""Weights announcements: the trainer says a checkpoint is ready, producers load it.
+
+``announce`` sends a :class:`WeightsAnnouncement` record (key ``policy``) to the
+compacted ``<ns>.weights`` topic once a checkpoint is durable. A
+:class:`WeightsSubscriber` runs in the background of every producer: at start it reads the
+topic to its end and takes the latest announcement, then follows new ones. Each one is
+checked (a newer version, a URI inside an allowed root, the same model configuration and
+tokenizer, a digest that matches the files, the version the files themselves name) and
+restored with orbax on the subscriber's thread from a private copy made while hashing
+(what is restored is exactly what was verified; a link out of the allowed roots is
+refused); parameters that are not all finite are refused. Only then is it handed over,
+so sampling never waits for I/O. A refused announcement, a failed restore or any error
+while handling one keeps the old weights and the thread, and is logged (one line) and
+counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import confluent_kafka
+
+from pipeline.errors import InvalidConfigError, RecordDecodeError
+from pipeline.kafka.client import KafkaConfig
+from pipeline.kafka.topics import weights_topic
+from pipeline.observe.telemetry import span
+from pipeline.policy.checkpoint import digest, restore_params, saved_version, snapshot
+from pipeline.policy.config import ModelConfig
+from pipeline.policy.model import all_finite
+from pipeline.records.codec import AvroCodec
+
+log = logging.getLogger(__name__)
+
+KEY = b"policy"
+#: announcements of the backlog kept at start, newest tried first
+BACKLOG = 8
+
+
+def announcement(
+    version: int,
+    step: int,
+    path: Path,
+    cfg: ModelConfig,
+    tokenizer_id: str,
+    trainer_id: str,
+    metrics: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """The announcement of the checkpoint at ``path`` (its digest is computed here)."""
+    return {
+        "policy_version": version,
+        "step": step,
+        "checkpoint_uri": str(path.absolute()),
+        "digest": digest(path),
+        "format": "orbax",
+        "model_config": cfg.to_json(),
+        "tokenizer_id": tokenizer_id,
+        "created_at_ms": int(time.time() * 1000),
+        "trainer_id": trainer_id,
+        "metrics": dict(metrics or {}),
+    }
+
+
+def announce(
+    producer: confluent_kafka.Producer,
+    namespace: str,
+    record: dict[str, Any],
+    timeout: float = 30.0,
+) -> None:
+    """Send one announcement and wait until the broker has it."""
+    producer.produce(weights_topic(namespace), AvroCodec("WeightsAnnouncement").encode(record), KEY)
+    if producer.flush(timeout):
+        raise TimeoutError("weights announcement not acknowledged")
+
+
+def checkpoint_path(uri: str, allowed_roots: Sequence[Path]) -> Path:
+    """The local path of ``uri`` if it lies inside one of ``allowed_roots`` (after
+    resolving ``..`` and links); ValueError with the reason otherwise."""
+    parsed = urlparse(uri)
+    if parsed.scheme not in ("", "file"):
+        raise ValueError(f"unsupported checkpoint URI scheme {parsed.scheme!r}")
+    path = Path(parsed.path if parsed.scheme else uri).resolve()
+    for root in allowed_roots:
+        if path.is_relative_to(root.resolve()):
+            return path
+    raise ValueError(f"{path} is outside the allowed roots {[str(r) for r in allowed_roots]}")
+
+
+class WeightsSubscriber:
+    """Follows ``<ns>.weights`` on a background thread and calls
+    ``on_weights(params, version)`` for each verified, restored checkpoint."""
+
+    def __init__(
+        self,
+        kafka: KafkaConfig,
+        namespace: str,
+        cfg: ModelConfig,
+        tokenizer_id: str,
+        allowed_roots: Sequence[Path],
+        on_weights: Callable[[Any, int], None],
+        current_version: int = 0,
+    ) -> None:
+        self.kafka = kafka
+        self.namespace = namespace
+        self.cfg = cfg
+        self.tokenizer_id = tokenizer_id
+        self.allowed_roots = [Path(r) for r in allowed_roots]
+        self.on_weights = on_weights
+        self.version = current_version
+        self.refused: Counter[str] = Counter()
+        self.accepted = 0
+        self.caught_up = threading.Event()
+        self.last_announced_ms = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="weights", daemon=True)
+
+    def start(self) -> WeightsSubscriber:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        codec = AvroCodec("WeightsAnnouncement")
+        topic = weights_topic(self.namespace)
+        consumer = self.kafka.consumer(None, **{"enable.partition.eof": True})
+        consumer.assign(
+            [confluent_kafka.TopicPartition(topic, 0, confluent_kafka.OFFSET_BEGINNING)]
+        )
+        # the backlog's newest announcements, newest last: at the end of the backlog the
+        # newest one that loads is taken (an older one only if the newer are refused)
+        backlog: deque[dict[str, Any]] = deque(maxlen=BACKLOG)
+        try:
+            while not self._stop.is_set():
+                msg = consumer.poll(0.2)
+                if msg is None:
+                    continue
+                err = msg.error()
+                if err is not None:
+                    if err.code() == confluent_kafka.KafkaError._PARTITION_EOF:
+                        while backlog and not self._handle(backlog.pop()):
+                            pass
+                        backlog.clear()
+                        self.caught_up.set()
+                    else:
+                        log.warning("weights consumer error=%s", err.str())
+                    continue
+                try:
+                    record = codec.decode(msg.value() or b"")
+                except RecordDecodeError as e:
+                    self._refuse("undecodable", str(e))
+                    continue
+                if self.caught_up.is_set():
+                    self._handle(record)
+                else:
+                    backlog.append(record)
+        finally:
+            consumer.close()
+
+    def _refuse(self, reason: str, detail: str) -> None:
+        self.refused[reason] += 1
+        log.warning("weights refused reason=%s detail=%s", reason, _cut(detail))
+
+    def _handle(self, ann: dict[str, Any]) -> bool:
+        """Apply one announcement; whatever goes wrong refuses it (one log line) and
+        keeps the thread and the current weights. True if the weights were taken."""
+        try:
+            return self._apply(ann)
+        except Exception as e:
+            self._refuse("invalid", f"{type(e).__name__}: {e}")
+            return False
+
+    def _apply(self, ann: dict[str, Any]) -> bool:
+        version = int(ann["policy_version"])
+        self.last_announced_ms = int(ann["created_at_ms"])
+        if version <= self.version:
+            return False
+        if ann["tokenizer_id"] != self.tokenizer_id:
+            self._refuse("tokenizer", f"{ann['tokenizer_id']} != {self.tokenizer_id}")
+            return False
+        try:
+            if ModelConfig.from_json(ann["model_config"]) != self.cfg:
+                self._refuse("model_config", ann["model_config"])
+                return False
+        except InvalidConfigError as e:
+            self._refuse("model_config", str(e))
+            return False
+        try:
+            path = checkpoint_path(ann["checkpoint_uri"], self.allowed_roots)
+        except ValueError as e:
+            self._refuse("uri", str(e))
+            return False
+        with span("weights_restore", "weights", version=version):
+            params = self._verified(path, ann["digest"], version)
+        if params is None:
+            return False
+        self.version = version
+        self.accepted += 1
+        log.info("weights loaded version=%d path=%s", version, _cut(str(path)))
+        self.on_weights(params, version)
+        return True
+
+    def _verified(self, path: Path, announced: str, version: int) -> Any:
+        """The parameters at ``path`` if its files hash to ``announced`` and say
+        ``version``, and every parameter is finite; else None (refused). They are
+        restored from a private copy made while hashing."""
+        with tempfile.TemporaryDirectory(prefix="rlstream-weights-") as tmp:
+            copy = Path(tmp) / "ckpt"
+            try:
+                actual = snapshot(path, self.allowed_roots, copy)
+            except ValueError as e:
+                self._refuse("uri", str(e))
+                return None
+            except OSError as e:
+                self._refuse("unreadable", str(e))
+                return None
+            if actual != announced:
+                self._refuse("digest", f"{path}: announced {announced}, found {actual}")
+                return None
+            try:
+                saved = saved_version(copy)
+            except ValueError as e:
+                self._refuse("version", str(e))
+                return None
+            if saved is not None and saved != version:
+                self._refuse("version", f"announced version {version}, the files say {saved}")
+                return None
+            try:
+                params = restore_params(copy, self.cfg)
+            except Exception as e:  # any orbax failure keeps the old weights
+                self._refuse("restore", repr(e))
+                return None
+        if not all_finite(params):
+            self._refuse("non_finite", f"parameters of version {version} hold NaN or infinity")
+            return None
+        return params
+
+
+def _cut(text: str, limit: int = 300) -> str:
+    """``text`` for one log line: at most ``limit`` characters, its full size noted."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

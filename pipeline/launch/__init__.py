@@ -1,0 +1,3 @@
+"""Launching: the whole pipeline as supervised processes on one machine, the local cluster,
+stop signals, the round-trip check.
+"""

@@ -1,0 +1,401 @@
+"""``rlstream run``: the whole pipeline on one machine, as separate OS processes.
+
+1. topics of a fresh namespace; the initial policy evaluated on held-out episodes;
+2. one ``rlstream train`` and N ``rlstream produce`` processes (the same code paths as
+   those commands), watched by a :class:`~pipeline.launch.supervisor.Supervisor`, with one live
+   progress line;
+3. when the trainer reaches ``steps`` (or on Ctrl-C/SIGTERM, or when a child fails),
+   every child is stopped, the final policy is evaluated on the same held-out episodes,
+   and ``report.md`` with its plots is written.
+
+``sync=True`` runs the classic loop with the same components: each producer generates its
+share of one batch with the current policy and waits for the next version; the trainer
+trains only on samples of its own version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from connectors.base import env_name
+from pipeline.kafka.client import KafkaConfig
+from pipeline.kafka.topics import ensure_topics, namespace_topics
+from pipeline.launch.config import RunConfig
+from pipeline.launch.supervisor import Child, Supervisor
+from pipeline.observe.report import (
+    busy_share,
+    last_json,
+    ledger_summary,
+    mean_over_envs,
+    trainer_metrics,
+    write_report,
+)
+from pipeline.observe.telemetry import NullTracer, Tracer, install, span
+from pipeline.observe.tensorboard import ScalarWriter
+from pipeline.rollout.evaluate import EvalResult, evaluate_weights, latest_weights
+from pipeline.settings import to_mapping, write_file
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class RunResult:
+    status: str  # completed | interrupted | failed
+    figures: dict[str, Any]
+    report: Path
+    failure: str = ""
+
+
+def child_environment(kafka: KafkaConfig) -> dict[str, str]:
+    """How children reach the cluster: the same variables a user would set (secrets
+    travel in the environment, never on a command line)."""
+    sec = kafka.security
+    env = {
+        "RLSTREAM_BOOTSTRAP": kafka.bootstrap,
+        "RLSTREAM_SECURITY_PROTOCOL": sec.protocol,
+    }
+    for name, value in (
+        ("RLSTREAM_SASL_MECHANISM", sec.sasl_mechanism),
+        ("RLSTREAM_SASL_USERNAME", sec.username),
+        ("RLSTREAM_SASL_PASSWORD", sec.password),
+        ("RLSTREAM_SSL_CA", sec.ssl_ca_location),
+    ):
+        if value:
+            env[name] = value
+    return env
+
+
+class Run:
+    """One run in ``run_dir`` on namespace ``namespace``; see the module docstring."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        kafka: KafkaConfig,
+        run_dir: Path,
+        namespace: str,
+        stop: threading.Event | None = None,
+        out: TextIO = sys.stdout,
+        live: bool | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.kafka = kafka
+        self.run_dir = run_dir
+        self.namespace = namespace
+        self.stop = stop or threading.Event()
+        self.out = out
+        self.live = out.isatty() if live is None else live
+        self.start_time = time.time()
+        self.display = Display(self, out, self.live)
+
+    # ---- children ----------------------------------------------------------------------
+
+    def config_json(self) -> dict[str, Any]:
+        """Every setting of this run (``config.json``; ``--config`` reads it back)."""
+        return to_mapping(self.cfg)
+
+    def children(self) -> list[Child]:
+        """The trainer and the producers, each started with ``--config`` on its resolved
+        configuration in the run directory."""
+        cfg, rd = self.cfg, self.run_dir
+        kafka_flags = [f"--kafka-option={k}={v}" for k, v in self.kafka.extra.items()]
+        env = child_environment(self.kafka)
+        configs = rd / "configs"
+        trainer_file = write_file(cfg.trainer(self.namespace, rd), configs / "trainer.json")
+        trainer = Child(
+            "trainer",
+            ["train", f"--config={trainer_file}", *kafka_flags],
+            rd / "logs" / "trainer.log",
+            env,
+        )
+        producers = []
+        for i in range(cfg.producers):
+            name = f"producer-{i}"
+            path = write_file(cfg.producer(i, self.namespace, rd), configs / f"{name}.json")
+            producers.append(
+                Child(
+                    name,
+                    ["produce", f"--config={path}", *kafka_flags],
+                    rd / "logs" / f"{name}.log",
+                    env,
+                )
+            )
+        return [trainer, *producers]
+
+    # ---- the run -----------------------------------------------------------------------
+
+    def say(self, text: str) -> None:
+        self.display.clear()
+        print(text, file=self.out, flush=True)
+
+    def evaluate(self, which: str) -> EvalResult | None:
+        cfg = self.cfg
+        if cfg.eval_episodes == 0:
+            return None
+        found = latest_weights(self.run_dir) if which == "final" else None
+        version, weights = found if found is not None else (0, None)
+        self.say(
+            f"evaluating the {which} policy (version {version}) on {cfg.eval_episodes} "
+            "held-out episodes ..."
+        )
+        with span("evaluate", which=which, version=version):
+            result = self._evaluate(weights, version)
+        self.say(
+            f"  {which}: success {result.success:.3f} reward {result.reward_mean:.3f} "
+            f"({result.seconds:.1f}s)"
+        )
+        return result
+
+    def _evaluate(self, weights: Path | None, version: int) -> EvalResult:
+        cfg = self.cfg
+        return evaluate_weights(
+            cfg.env,
+            env_options=dict(cfg.env_options),  # held-out episodes without simulated latency
+            model=cfg.model,
+            weights=weights,
+            version=version,
+            model_seed=cfg.seed,
+            episodes=cfg.eval_episodes,
+            seed=cfg.seed,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+        )
+
+    def execute(self) -> RunResult:
+        rd = self.run_dir
+        rd.mkdir(parents=True, exist_ok=True)
+        write_file(self.cfg, rd / "config.json")
+        run_info = {"namespace": self.namespace, "run_dir": str(rd)}
+        run_info["bootstrap"] = self.kafka.bootstrap
+        (rd / "run.json").write_text(json.dumps(run_info, indent=2, sort_keys=True) + "\n")
+        self.say(f"run directory {rd} namespace {self.namespace}")
+        ensure_topics(
+            self.kafka,
+            namespace_topics(
+                self.namespace,
+                [env_name(self.cfg.env, self.cfg.env_kwargs)],
+                self.cfg.partitions,
+            ),
+        )
+        # the run's own spans (its evaluations) go on the timeline with the children's
+        tracing = install(Tracer("run", self.kafka, self.namespace))
+        try:
+            status, failure, evals, run_s, children = self._run_children()
+        finally:
+            tracing.close()
+            install(NullTracer())
+        figures = self.figures(evals, run_s, children)
+        figures["status"] = status
+        self._eval_scalars(evals)
+        profile = self.profile()
+        report = write_report(rd, figures, self.config_json(), self.start_time, profile)
+        (rd / "figures.json").write_text(json.dumps(figures, indent=2, sort_keys=True))
+        return RunResult(status, figures, report, failure)
+
+    def _run_children(
+        self,
+    ) -> tuple[str, str, dict[str, EvalResult | None], float, list[Child]]:
+        """Initial evaluation, the children until the run ends, final evaluation: the
+        run's status, what failed, the evaluations, the children's seconds, the children."""
+        rd = self.run_dir
+        evals: dict[str, EvalResult | None] = {"initial": self.evaluate("initial")}
+        children = self.children()
+        supervisor = Supervisor(children)
+        status, failure = "completed", ""
+        launched = time.time()
+        self.say(
+            f"starting 1 trainer and {self.cfg.producers} producer(s) "
+            f"({'synchronous' if self.cfg.sync else 'asynchronous'}), logs in {rd / 'logs'}"
+        )
+        try:
+            supervisor.start()
+            self._write_processes(children)
+            status, failure = self._watch(supervisor)
+        finally:
+            self.display.clear()
+            if any(c.running() for c in children):
+                self.say("stopping every process ...")
+            supervisor.stop()
+            self._write_processes(children)
+        run_s = time.time() - launched
+        evals["final"] = self.evaluate("final")
+        (rd / "eval.json").write_text(
+            json.dumps({k: v.to_json() if v else None for k, v in evals.items()}, indent=2)
+        )
+        return status, failure, evals, run_s, children
+
+    def _eval_scalars(self, evals: dict[str, EvalResult | None]) -> None:
+        """Held-out success and reward next to the trainer's scalars, at the evaluated
+        policy's version (the trainer step that made it)."""
+        writer = ScalarWriter(self.run_dir / "tensorboard")
+        for result in evals.values():
+            if result is not None:
+                writer.write(
+                    result.version,
+                    {"eval/success": result.success, "eval/reward": result.reward_mean},
+                )
+
+    def profile(self) -> str:
+        """Every process's spans on one timeline (``trace.json``) and the profile summary
+        (``profile.json``); the summary's text for the report ("" if there is none)."""
+        from pipeline.observe import profile
+
+        try:
+            telemetry = profile.read(self.kafka, self.namespace)
+        except Exception as e:  # the report is written whatever happened to telemetry
+            log.warning("no profile: %s", e)
+            return ""
+        summary = profile.summarize(telemetry)
+        profile.write_trace(telemetry, self.run_dir / "trace.json")
+        (self.run_dir / "profile.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+        return profile.render(summary)
+
+    def _write_processes(self, children: list[Child]) -> None:
+        """``processes.json``: every child's pid, exit status, restarts and log."""
+        rows = [
+            {
+                "name": c.name,
+                "pid": c.pid,
+                "returncode": c.poll(),
+                "restarts": c.restarts,
+                "log": str(c.log_path),
+                "command": ["rlstream", *c.args],
+            }
+            for c in children
+        ]
+        (self.run_dir / "processes.json").write_text(json.dumps(rows, indent=2))
+
+    def _watch(self, supervisor: Supervisor) -> tuple[str, str]:
+        trainer = supervisor.children[0]
+        while True:
+            if self.stop.is_set():
+                return "interrupted", ""
+            if trainer.poll() == 0:
+                return "completed", ""
+            bad = supervisor.failed()
+            if bad is not None:
+                message = (
+                    f"{bad.name} (pid {bad.pid}) exited with status {bad.returncode}; "
+                    f"the end of {bad.log_path}:\n{bad.log_tail()}"
+                )
+                if bad.restarts < self.cfg.restarts:
+                    bad.restarts += 1
+                    self.say(f"{message}\nrestarting {bad.name} ({bad.restarts})")
+                    bad.start()
+                    self._write_processes(supervisor.children)
+                    continue
+                self.say(message)
+                return "failed", message
+            self.display.update(supervisor)
+            self.stop.wait(0.5)
+
+    def figures(
+        self, evals: dict[str, EvalResult | None], run_s: float, children: list[Child]
+    ) -> dict[str, Any]:
+        metrics = trainer_metrics(self.run_dir)
+        ledger = ledger_summary(self.run_dir)
+        produced = 0
+        versions = {}
+        for c in children[1:]:
+            last = last_json(self.run_dir / "producers" / f"{c.name}.jsonl")
+            if last is not None:
+                produced += last["episodes"]
+                versions[c.name] = last["version"]
+        init, final = evals.get("initial"), evals.get("final")
+        stale = [m["staleness_mean"] for m in metrics]
+        return {
+            "success_initial": init.success if init else None,
+            "success_final": final.success if final else None,
+            "success_gain_points": (
+                round(100 * (final.success - init.success), 1) if init and final else None
+            ),
+            "eval_episodes": self.cfg.eval_episodes,
+            "steps": metrics[-1]["step"] if metrics else 0,
+            "wall_s": round(time.time() - self.start_time, 1),
+            "pipeline_wall_s": round(run_s, 1),
+            "trajectories_produced": produced,
+            "trajectories_trained": ledger["trained"],
+            "trajectories_dropped_stale": ledger["dropped_stale"],
+            "dropped": ledger["dropped"],
+            "staleness_mean": round(sum(stale) / len(stale), 3) if stale else None,
+            "trainer_busy": round(busy_share(metrics, first=1), 3) if metrics else None,
+            "final_batch_reward": round(mean_over_envs(metrics[-1]["reward"]), 3)
+            if metrics
+            else None,
+            "producer_versions": versions,
+            "restarts": {c.name: c.restarts for c in children if c.restarts},
+        }
+
+
+class Display:
+    """One progress line: on a terminal rewritten in place twice a second, otherwise
+    printed every ``every_s`` seconds."""
+
+    def __init__(self, run: Run, out: TextIO, live: bool, every_s: float = 10.0) -> None:
+        self.run = run
+        self.out = out
+        self.live = live
+        self.every_s = every_s
+        self._last_print = 0.0
+        self._shown = False
+        self._rates: dict[str, tuple[float, int, float]] = {}
+
+    def clear(self) -> None:
+        if self.live and self._shown:
+            self.out.write("\r\x1b[K")
+            self.out.flush()
+            self._shown = False
+
+    def line(self, children: list[Child]) -> str:
+        rd, cfg = self.run.run_dir, self.run.cfg
+        m = last_json(rd / "metrics.jsonl")
+        elapsed = time.time() - self.run.start_time
+        parts = [f"[{int(elapsed // 60)}m{int(elapsed % 60):02d}s]"]
+        if m is not None:
+            parts += [
+                f"step {m['step']}/{cfg.steps}",
+                f"reward {mean_over_envs(m['reward']):.2f}",
+                f"success {mean_over_envs(m['success']):.2f}",
+                f"staleness {m['staleness_mean']:.1f}",
+                f"lag {m['lag']}",
+                f"busy {m['busy_share']:.2f}",
+            ]
+        else:
+            parts.append("step 0 (compiling, waiting for the first batch)")
+        total_rate, versions = 0.0, []
+        for c in children[1:]:
+            r = last_json(rd / "producers" / f"{c.name}.jsonl")
+            if r is None:
+                versions.append(f"{c.name}=starting")
+                continue
+            t0, n0, rate = self._rates.get(c.name, (r["time"], r["episodes"], 0.0))
+            if r["time"] - t0 >= 2.0:
+                rate = (r["episodes"] - n0) / (r["time"] - t0)
+                t0, n0 = r["time"], r["episodes"]
+            self._rates[c.name] = (t0, n0, rate)
+            total_rate += rate
+            state = " waiting" if r.get("waiting") else " paused" if r.get("paused") else ""
+            versions.append(f"{c.name}=v{r['version']}{state}")
+        parts += [f"{total_rate:.0f} traj/s", "versions " + " ".join(versions)]
+        return " | ".join(parts)
+
+    def update(self, supervisor: Supervisor) -> None:
+        now = time.monotonic()
+        if not self.live and now - self._last_print < self.every_s:
+            return
+        self._last_print = now
+        text = self.line(supervisor.children)
+        if self.live:
+            self.out.write("\r\x1b[K" + text[: os.get_terminal_size(self.out.fileno()).columns - 1])
+            self._shown = True
+        else:
+            self.out.write(text + "\n")
+        self.out.flush()

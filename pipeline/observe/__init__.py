@@ -1,0 +1,3 @@
+"""Observability: spans and metrics of every process, the cross-process profile, Prometheus,
+TensorBoard, the run report.
+"""

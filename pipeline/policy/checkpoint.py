@@ -1,0 +1,150 @@
+"""Policy parameters on disk (orbax) and their content digest.
+
+``save_params`` writes an orbax checkpoint of a model's parameters and returns once it is
+durable; ``restore_params`` reads one back into the structure of a given model
+(split → save → ``eval_shape`` → restore → merge); ``digest`` hashes every file of a
+checkpoint, and ``snapshot`` copies one into a private directory while hashing it, so
+that a reader restores exactly the bytes it verified.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+from tenacity import before_sleep_log, retry, stop_after_attempt, wait_exponential
+
+from pipeline.policy.config import ModelConfig
+from pipeline.policy.model import Transformer
+
+log = logging.getLogger(__name__)
+
+#: the file beside the parameters that names their policy version
+VERSION_FILE = "rlstream.json"
+
+_io_retry = retry(
+    stop=stop_after_attempt(3),
+    wait=wait_exponential(multiplier=0.2, max=2),
+    before_sleep=before_sleep_log(log, logging.WARNING),
+    reraise=True,
+)
+
+
+@_io_retry
+def save_params(path: Path, model: Transformer, version: int | None = None) -> Path:
+    """Write the model's parameters to ``path`` (which must not exist) and wait until the
+    checkpoint is durable. With ``version``, the policy version is written beside them
+    (:data:`VERSION_FILE`), so that an announcement cannot claim another one."""
+    state = nnx.state(model, nnx.Param)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path.absolute(), nnx.to_pure_dict(state))
+        ckptr.wait_until_finished()
+    if version is not None:
+        (path / VERSION_FILE).write_text(json.dumps({"policy_version": version}))
+    return path
+
+
+def abstract_params(cfg: ModelConfig) -> Any:
+    """The parameter structure of a model of ``cfg``, without allocating it."""
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+    return nnx.state(abstract, nnx.Param)
+
+
+@_io_retry
+def restore_params(path: Path, cfg: ModelConfig) -> Any:
+    """Parameters saved by :func:`save_params`, as an ``nnx.State`` for a model of ``cfg``
+    (shapes are checked against it)."""
+    target = abstract_params(cfg)
+    pure = nnx.to_pure_dict(target)
+    with ocp.StandardCheckpointer() as ckptr:
+        restored = ckptr.restore(path.absolute(), pure)
+    nnx.replace_by_pure_dict(target, restored)
+    return jax.tree.map(lambda x: x, target)
+
+
+def digest(path: Path) -> str:
+    """``sha256:<hex>`` over the relative names and contents of every file under
+    ``path`` (links followed), in sorted order."""
+    return _hash_files(path, None, None)
+
+
+def snapshot(path: Path, roots: Sequence[Path], into: Path) -> str:
+    """Copy every file of the checkpoint at ``path`` into the empty directory ``into``
+    while hashing the very bytes copied, and return their :func:`digest`: what is then
+    restored from ``into`` is exactly what was hashed, whatever happens to ``path``
+    meanwhile. A link anywhere in the tree that leads outside every one of ``roots``,
+    a link loop, or an entry that is not a file or directory raises ValueError."""
+    return _hash_files(path, [r.resolve() for r in roots], into)
+
+
+def _hash_files(path: Path, roots: Sequence[Path] | None, into: Path | None) -> str:
+    h = hashlib.sha256()
+    for rel, f in _walk(path, roots, into):
+        h.update(rel.encode() + b"\0")
+        out = None
+        if into is not None:
+            out = (into / rel).open("xb")
+        try:
+            with f.open("rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+                    if out is not None:
+                        out.write(chunk)
+        finally:
+            if out is not None:
+                out.close()
+        h.update(b"\0")
+    return "sha256:" + h.hexdigest()
+
+
+def _walk(path: Path, roots: Sequence[Path] | None, into: Path | None) -> list[tuple[str, Path]]:
+    """Every regular file under ``path`` as ``(relative name, path)``, sorted by name,
+    following links to directories; with ``into``, its directories are made there."""
+    files: list[tuple[str, Path]] = []
+    seen: set[Path] = set()
+    todo = [(path, "")]
+    while todo:
+        d, rel = todo.pop()
+        real = d.resolve()
+        if real in seen:
+            raise ValueError(f"{d} is reached twice (a link loop)")
+        seen.add(real)
+        if into is not None:
+            (into / rel).mkdir(parents=True, exist_ok=True)
+        for entry in sorted(os.scandir(d), key=lambda e: e.name):
+            p, name = Path(entry.path), rel + entry.name
+            if entry.is_symlink() and roots is not None:
+                target = p.resolve()
+                if not any(target.is_relative_to(r) for r in roots):
+                    raise ValueError(f"{name} links to {target}, outside the allowed roots")
+            if p.is_dir():
+                todo.append((p, name + "/"))
+            elif p.is_file():
+                files.append((name, p))
+            else:
+                raise ValueError(f"{name} is neither a file nor a directory")
+    return sorted(files)
+
+
+def saved_version(path: Path) -> int | None:
+    """The policy version written next to the parameters by :func:`save_params`, or
+    None when the checkpoint does not say."""
+    f = path / VERSION_FILE
+    if not f.is_file():
+        return None
+    text = f.read_text()[:4096]
+    try:
+        value = json.loads(text)["policy_version"]
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"{VERSION_FILE} is malformed: {text[:200]!r}") from None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{VERSION_FILE} holds no integer version: {text[:200]!r}")
+    return value

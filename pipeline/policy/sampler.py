@@ -1,0 +1,214 @@
+"""KV-cached batched sampling with per-token log-probabilities.
+
+A :class:`DecodeEngine` holds ``slots`` rows of one key-value cache; each row is one
+conversation at its own length. ``append`` queues tokens the environment produced (they
+are prefilled in fixed-size chunks, batched across rows), ``step`` samples one token for
+every row that is generating, in one forward pass of fixed shape: after the first call of
+each kind nothing recompiles. Parameters can be swapped between steps; each sampled token
+carries the policy version that produced it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pipeline.errors import InvalidConfigError
+from pipeline.policy.config import SamplingConfig
+from pipeline.policy.model import KVCache, Transformer
+
+
+def sample_tokens(
+    logits: jax.Array, key: jax.Array, temperature: float | jax.Array, top_p: float | jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Draw one token per row of ``logits [B, V]``; return tokens and their
+    log-probabilities under the temperature-scaled policy (before top-p truncation, the
+    distribution the trainer recomputes)."""
+    logits = logits.astype(jnp.float32)
+    greedy = temperature <= 0
+    scaled = logits / jnp.where(greedy, 1.0, temperature)
+    logp = jax.nn.log_softmax(scaled, axis=-1)
+    order = jnp.argsort(-logp, axis=-1)
+    sorted_p = jnp.take_along_axis(jnp.exp(logp), order, axis=-1)
+    keep_sorted = (jnp.cumsum(sorted_p, axis=-1) - sorted_p) < top_p
+    keep = (
+        jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
+    )
+    masked = jnp.where(keep, scaled, -jnp.inf)
+    drawn = jax.random.categorical(key, masked, axis=-1)
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn)
+    return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+
+
+class DecodeEngine:
+    """Batched incremental decoding over ``slots`` conversations.
+
+    Per slot: ``length`` tokens are in the cache and one ``pending`` token (the latest)
+    waits to be fed. ``append(slot, tokens)`` adds tokens; ``step(slots)`` feeds each
+    listed slot's pending token and samples the next one.
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        slots: int,
+        sampling: SamplingConfig | None = None,
+        *,
+        chunk: int = 16,
+        prefill_rows: int = 8,
+        version: int = 0,
+    ) -> None:
+        self.cfg = model.cfg
+        self.slots = slots
+        self.chunk = chunk
+        self.prefill_rows = min(prefill_rows, slots)
+        self.sampling = sampling or SamplingConfig()
+        # Parameters and cache are committed to one device, whatever produced them (a
+        # restored checkpoint is committed, a fresh model is not): mixing the two would
+        # make every jitted call compile again.
+        self.device = jax.devices()[0]
+        self.graphdef, state = nnx.split(model)
+        self.state = jax.device_put(state, self.device)
+        self.version = version
+        self.cache = jax.device_put(KVCache.zeros(self.cfg, slots), self.device)
+        self.length = np.zeros(slots, np.int64)
+        self.pending: list[int | None] = [None] * slots
+        self._queued: list[list[int]] = [[] for _ in range(slots)]
+        self._key = jax.random.key(self.sampling.seed)
+        graphdef = self.graphdef
+
+        @functools.partial(jax.jit, donate_argnums=1)
+        def prefill(
+            state: Any,
+            cache: KVCache,
+            rows: jax.Array,
+            tokens: jax.Array,
+            positions: jax.Array,
+            write: jax.Array,
+        ) -> KVCache:
+            # only the rows being prefilled are computed: gathered, run, scattered back
+            model = nnx.merge(graphdef, state)
+            sub = KVCache(tuple(k[rows] for k in cache.k), tuple(v[rows] for v in cache.v))
+            _, new = model(tokens, positions, sub, write)
+            assert new is not None
+            return KVCache(
+                tuple(k.at[rows].set(n) for k, n in zip(cache.k, new.k, strict=True)),
+                tuple(v.at[rows].set(n) for v, n in zip(cache.v, new.v, strict=True)),
+            )
+
+        @functools.partial(jax.jit, donate_argnums=1)
+        def decode(
+            state: Any,
+            cache: KVCache,
+            tokens: jax.Array,
+            positions: jax.Array,
+            write: jax.Array,
+            key: jax.Array,
+            temperature: jax.Array,
+            top_p: jax.Array,
+        ) -> tuple[KVCache, jax.Array, jax.Array]:
+            model = nnx.merge(graphdef, state)
+            logits, new = model(tokens, positions, cache, write)
+            assert new is not None
+            nxt, logp = sample_tokens(logits[:, -1], key, temperature, top_p)
+            return new, nxt, logp
+
+        self._prefill = prefill
+        self._decode = decode
+
+    # ---- slots ---------------------------------------------------------------------------
+
+    def reset(self, slot: int) -> None:
+        """Start a new conversation in ``slot`` (its old cache rows are overwritten)."""
+        self.length[slot] = 0
+        self.pending[slot] = None
+        self._queued[slot] = []
+
+    def append(self, slot: int, tokens: list[int]) -> None:
+        """Tokens produced outside the policy (prompt, observations), in order."""
+        if not tokens:
+            return
+        if self.pending[slot] is not None:
+            self._queued[slot].append(self.pending[slot])  # type: ignore[arg-type]
+        self._queued[slot].extend(tokens[:-1])
+        self.pending[slot] = tokens[-1]
+
+    def room(self, slot: int) -> int:
+        """How many more tokens fit in the slot's context."""
+        queued = len(self._queued[slot]) + (self.pending[slot] is not None)
+        return int(self.cfg.max_len - self.length[slot] - queued)
+
+    def swap(self, state: Any, version: int) -> None:
+        """Use new parameters from the next step on (same structure and shapes)."""
+        self.state = jax.device_put(state, self.device)
+        self.version = version
+
+    # ---- compute ------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Prefill every queued token: chunks of ``chunk`` tokens for up to
+        ``prefill_rows`` slots per call (fixed shapes, so nothing recompiles)."""
+        while True:
+            waiting = [s for s, q in enumerate(self._queued) if q][: self.prefill_rows]
+            if not waiting:
+                return
+            # pad with other slots that write nothing: rows must be distinct
+            others = [s for s in range(self.slots) if s not in waiting]
+            rows = (waiting + others)[: self.prefill_rows]
+            tokens = np.zeros((len(rows), self.chunk), np.int32)
+            positions = np.zeros((len(rows), self.chunk), np.int32)
+            write = np.zeros(len(rows), bool)
+            for r, s in enumerate(waiting):
+                q = self._queued[s]
+                n = min(len(q), self.chunk)
+                tokens[r, :n] = q[:n]
+                positions[r] = self.length[s] + np.arange(self.chunk)
+                # padding repeats the last real token at its position: it writes the same
+                # keys and values there again, and nothing past the real tokens
+                positions[r, n:] = positions[r, n - 1]
+                tokens[r, n:] = tokens[r, n - 1]
+                write[r] = True
+                self.length[s] += n
+                del q[:n]
+            self.cache = self._prefill(
+                self.state, self.cache, np.asarray(rows, np.int32), tokens, positions, write
+            )
+
+    def step(self, slots: list[int]) -> dict[int, tuple[int, float, int]]:
+        """Feed the pending token of each slot and sample its successor: returns
+        ``{slot: (token, logprob, version)}``; the sampled token becomes pending."""
+        self.flush()
+        tokens = np.zeros((self.slots, 1), np.int32)
+        positions = np.zeros((self.slots, 1), np.int32)
+        write = np.zeros(self.slots, bool)
+        for s in slots:
+            pending = self.pending[s]
+            if pending is None:
+                raise InvalidConfigError(f"slot {s} has no token to continue from")
+            tokens[s, 0] = pending
+            positions[s, 0] = self.length[s]
+            write[s] = True
+        self._key, key = jax.random.split(self._key)
+        sp = self.sampling
+        self.cache, nxt, logp = self._decode(
+            self.state,
+            self.cache,
+            tokens,
+            positions,
+            write,
+            key,
+            jnp.float32(sp.temperature),
+            jnp.float32(sp.top_p),
+        )
+        nxt_np, logp_np = np.asarray(nxt), np.asarray(logp)
+        out = {}
+        for s in slots:
+            self.length[s] += 1
+            self.pending[s] = int(nxt_np[s])
+            out[s] = (int(nxt_np[s]), float(logp_np[s]), self.version)
+        return out

@@ -1,0 +1,335 @@
+"""Avro single-object encoding of rlstream records, and Kafka headers for trajectories.
+
+Wire format (Avro specification, "single-object encoding")::
+
+    C3 01 | 8-byte CRC-64-AVRO fingerprint of the writer schema (little-endian) | body
+
+The reader looks the writer schema up by fingerprint in its :class:`SchemaStore` and
+reads the body into its own reader schema, following Avro's resolution rules. Arrays
+travel as ``Tensor`` records (dtype, shape, raw little-endian bytes) and become numpy
+arrays with ``np.frombuffer``: no per-element Python work.
+
+Every failure to read raises :class:`~pipeline.errors.RecordDecodeError` with a stable
+``reason``. Reading never allocates more than the input's size: length prefixes are
+checked against the bytes that are actually there.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+from fastavro import schemaless_reader
+
+from pipeline.errors import InvalidTrajectoryError, RecordDecodeError
+from pipeline.records.avro_binary import CompiledSchema
+from pipeline.records.schema_store import Schema, SchemaStore, default_store
+from pipeline.records.trajectory import Timings, Trajectory, Turn, VersionSpan, find_violation
+
+MARKER = b"\xc3\x01"
+HEADER_SIZE = len(MARKER) + 8
+MAX_TENSOR_DIMS = 8
+MAX_TENSOR_EXTENT = 2**31
+
+
+def _dtypes() -> dict[str, np.dtype[Any]]:
+    import ml_dtypes  # shipped with jax
+
+    names = ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64")
+    out = {n: np.dtype(n).newbyteorder("<") for n in names}
+    out.update(
+        uint64=np.dtype("<u8"),
+        float16=np.dtype("<f2"),
+        float32=np.dtype("<f4"),
+        float64=np.dtype("<f8"),
+        bfloat16=np.dtype(ml_dtypes.bfloat16),
+    )
+    return out
+
+
+DTYPES = _dtypes()
+_DTYPE_NAMES = {dt: name for name, dt in DTYPES.items()}
+
+
+def tensor_from_avro(dtype_name: str, shape: list[int], data: bytes) -> np.ndarray:
+    """The fields of a ``Tensor`` record as a read-only numpy array over ``data``.
+
+    The shape must describe exactly the bytes given, in at most :data:`MAX_TENSOR_DIMS`
+    non-negative dimensions whose non-zero ones multiply to at most ``2**31`` (so an
+    empty ``[2**62, 0]`` tensor is refused here instead of overflowing numpy)."""
+    dtype = DTYPES[dtype_name]
+    count, extent = 1, 1
+    for d in shape[: MAX_TENSOR_DIMS + 1]:
+        if d < 0:
+            count = extent = -1
+            break
+        count *= d
+        extent *= max(d, 1)
+    if (
+        len(shape) > MAX_TENSOR_DIMS
+        or not 0 <= extent <= MAX_TENSOR_EXTENT
+        or count * dtype.itemsize != len(data)
+    ):
+        raise RecordDecodeError(
+            "tensor_mismatch",
+            f"{dtype_name}{list(shape[: MAX_TENSOR_DIMS + 1])} disagrees with its "
+            f"{len(data)} bytes of data",
+        )
+    return np.frombuffer(data, dtype=dtype).reshape(shape)
+
+
+class AvroCodec:
+    """Single-object encoding of one record type (e.g. ``"WeightsAnnouncement"``).
+
+    ``encode`` takes the record as a dict (or as the Python objects the ``adapters`` know);
+    ``decode`` returns one read into this process's reader schema, whichever known schema
+    version wrote it. Records written with the reader's own schema take a compiled fast
+    path; other versions are resolved by fastavro following Avro's rules.
+    """
+
+    def __init__(
+        self,
+        record: str,
+        store: SchemaStore | None = None,
+        *,
+        adapters: Mapping[str, Callable[[Any], tuple[Any, ...]]] | None = None,
+        factories: Mapping[str, Callable[..., Any]] | None = None,
+    ) -> None:
+        self._store = store or default_store()
+        self.schema: Schema = self._store.reader(record)
+        self._compiled = CompiledSchema(self.schema.canonical_form, adapters, factories)
+        # plain (dict) codecs of other writer versions and of the reader, compiled once:
+        # only records written with another schema version need them
+        self._plain: dict[bytes, CompiledSchema] = {}
+        self._prefix = MARKER + self.schema.fingerprint
+
+    @property
+    def fingerprint(self) -> bytes:
+        return self.schema.fingerprint
+
+    def encode(self, datum: Any) -> bytes:
+        return self._compiled.encode(datum, self._prefix)
+
+    def decode(self, data: bytes | bytearray | memoryview) -> Any:
+        data = bytes(data)
+        if not data or data[:2] != MARKER[: len(data[:2])]:
+            raise RecordDecodeError("bad_marker", "not Avro single-object encoding (no C3 01)")
+        if len(data) < HEADER_SIZE:
+            raise RecordDecodeError("truncated", f"{len(data)} bytes, shorter than the header")
+        if data[:HEADER_SIZE] == self._prefix:
+            record, end = self._compiled.decode(data, HEADER_SIZE)
+        else:
+            record, end = self._compiled.decode(self._resolve(data), 0)
+            end = len(data)
+        if end != len(data):
+            raise RecordDecodeError("trailing_bytes", f"{len(data) - end} bytes after the record")
+        return record
+
+    def _resolve(self, data: bytes) -> bytes:
+        """Read a body written with another known schema version into the reader's
+        schema (Avro resolution, by fastavro) and return it in the reader's encoding."""
+        fingerprint = data[2:HEADER_SIZE]
+        writer = self._store.writer(fingerprint)
+        if writer is None:
+            raise RecordDecodeError(
+                "unknown_schema", f"writer schema fingerprint {fingerprint.hex()} is unknown"
+            )
+        if writer.name != self.schema.name:
+            raise RecordDecodeError(
+                "unknown_schema", f"record is a {writer.name}, expected {self.schema.name}"
+            )
+        # Check the body with the writer's own compiled reader first: it bounds every
+        # length prefix, which fastavro does not do for arrays and maps.
+        _, end = self._plain_codec(writer).decode(data, HEADER_SIZE)
+        if end != len(data):
+            raise RecordDecodeError("trailing_bytes", f"{len(data) - end} bytes after the record")
+        body = io.BytesIO(data)
+        body.seek(HEADER_SIZE)
+        try:
+            value = schemaless_reader(body, writer.parsed, self.schema.parsed)
+        except Exception as e:  # resolution failures: a symbol or field the reader lacks
+            raise RecordDecodeError(
+                "bad_enum" if "symbol" in str(e).lower() else "invalid",
+                f"cannot read {writer.name} into this version: {str(e)[:200]}",
+            ) from None
+        try:
+            return self._plain_codec(self.schema).encode(value)
+        except Exception as e:  # a resolved value this version cannot hold
+            raise RecordDecodeError("invalid", f"{type(e).__name__}: {str(e)[:200]}") from None
+
+    def _plain_codec(self, schema: Schema) -> CompiledSchema:
+        codec = self._plain.get(schema.fingerprint)
+        if codec is None:
+            codec = self._plain[schema.fingerprint] = CompiledSchema(schema.canonical_form)
+        return codec
+
+
+def _tensor_fields(d: Any) -> tuple[Any, ...]:
+    if isinstance(d, np.ndarray):
+        name = _DTYPE_NAMES.get(d.dtype.newbyteorder("<") if d.dtype.byteorder == ">" else d.dtype)
+        if name is None:
+            raise InvalidTrajectoryError(f"dtype {d.dtype} cannot be stored in a Tensor")
+        return name, d.shape, np.ascontiguousarray(d, dtype=DTYPES[name]).tobytes()
+    return d["dtype"], d["shape"], d["data"]
+
+
+class TrajectoryCodec:
+    """Encodes :class:`Trajectory` objects as Avro single-object records and back.
+
+    ``encode`` refuses a trajectory that breaks the record contract
+    (:class:`InvalidTrajectoryError`); ``decode`` refuses bytes that are not a valid
+    trajectory (:class:`RecordDecodeError`).
+    """
+
+    def __init__(self, store: SchemaStore | None = None) -> None:
+        self._avro = AvroCodec(
+            "Trajectory",
+            store,
+            adapters={"rlstream.Tensor": _tensor_fields},
+            factories={
+                "rlstream.Tensor": tensor_from_avro,
+                "rlstream.VersionSpan": VersionSpan,
+                "rlstream.Turn": Turn,
+                "rlstream.Timings": Timings,
+                "rlstream.Trajectory": Trajectory,
+            },
+        )
+
+    @property
+    def fingerprint(self) -> bytes:
+        return self._avro.fingerprint
+
+    def encode(self, t: Trajectory) -> bytes:
+        violation = find_violation(t)
+        if violation is not None:
+            raise InvalidTrajectoryError(f"{violation[0]}: {violation[1]}")
+        try:
+            return self._avro.encode(t)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise InvalidTrajectoryError(f"invalid: {e}") from None
+
+    def decode(self, data: bytes | bytearray | memoryview) -> Trajectory:
+        t: Trajectory = self._avro.decode(data)
+        violation = find_violation(t)
+        if violation is not None:
+            raise RecordDecodeError(*violation)
+        return t
+
+    def from_avro_dict(self, d: Mapping[str, Any]) -> Trajectory:
+        """The inverse of :func:`to_avro_dict`: a trajectory from the plain Avro value
+        other Avro libraries (e.g. a container file reader) produce; checked like a
+        decoded record."""
+        return self.decode(self.encode_avro_dict(d))
+
+    def encode_avro_dict(self, d: Mapping[str, Any]) -> bytes:
+        """Single-object bytes of a trajectory given as its plain Avro value (not checked:
+        :meth:`decode` checks them)."""
+        return MARKER + self.fingerprint + self._avro._plain_codec(self._avro.schema).encode(d)
+
+    def headers(self, t: Trajectory) -> list[tuple[str, bytes]]:
+        """Kafka headers that let a consumer filter without decoding the value."""
+        return trajectory_headers(t, self.fingerprint)
+
+
+# ---- Kafka headers ----------------------------------------------------------------
+
+H_SCHEMA = "rlstream.schema"
+H_ENV = "rlstream.env"
+H_GROUP = "rlstream.group"
+H_VERSION_MIN = "rlstream.version.min"
+H_VERSION_MAX = "rlstream.version.max"
+H_TOKENS = "rlstream.tokens"
+
+
+class TrajectoryHeaders(NamedTuple):
+    """What a consumer can know of a trajectory record without decoding its value.
+
+    Fields a record lacks (or carries malformed) are None.
+    """
+
+    schema: bytes | None
+    env: str | None
+    group_id: str | None
+    min_version: int | None
+    max_version: int | None
+    num_tokens: int | None
+
+    @classmethod
+    def parse(cls, headers: Sequence[tuple[str, bytes | None]] | None) -> TrajectoryHeaders:
+        h = {k: v for k, v in (headers or ()) if v is not None}
+        return cls(
+            schema=_hex(h.get(H_SCHEMA)),
+            env=_text(h.get(H_ENV)),
+            group_id=_text(h.get(H_GROUP)),
+            min_version=_int(h.get(H_VERSION_MIN)),
+            max_version=_int(h.get(H_VERSION_MAX)),
+            num_tokens=_int(h.get(H_TOKENS)),
+        )
+
+
+def trajectory_headers(t: Trajectory, fingerprint: bytes) -> list[tuple[str, bytes]]:
+    return [
+        (H_SCHEMA, fingerprint.hex().encode()),
+        (H_ENV, t.env.encode()),
+        (H_GROUP, t.group_id.encode()),
+        (H_VERSION_MIN, str(t.min_version).encode()),
+        (H_VERSION_MAX, str(t.max_version).encode()),
+        (H_TOKENS, str(t.num_tokens).encode()),
+    ]
+
+
+def _text(v: bytes | None) -> str | None:
+    if v is None:
+        return None
+    try:
+        return v.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def _int(v: bytes | None) -> int | None:
+    if v is None or len(v) > 20:
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        return None
+
+
+def _hex(v: bytes | None) -> bytes | None:
+    if v is None or len(v) != 16:
+        return None
+    try:
+        return bytes.fromhex(v.decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+
+
+def to_avro_dict(t: Trajectory) -> dict[str, Any]:
+    """The Avro value of a trajectory as plain dicts and lists (Tensors as
+    ``{dtype, shape, data}``), as other Avro libraries take it."""
+    return {
+        "trajectory_id": t.trajectory_id,
+        "group_id": t.group_id,
+        "group_size": t.group_size,
+        "group_index": t.group_index,
+        "task_id": t.task_id,
+        "producer_id": t.producer_id,
+        "env": t.env,
+        "tokenizer_id": t.tokenizer_id,
+        **{
+            name: dict(
+                zip(("dtype", "shape", "data"), _tensor_fields(getattr(t, name)), strict=True)
+            )
+            for name in ("tokens", "loss_mask", "logprobs")
+        },
+        "version_spans": [s._asdict() for s in t.version_spans],
+        "turns": [turn._asdict() for turn in t.turns],
+        "reward": t.reward,
+        "rewards": dict(t.rewards),
+        "status": t.status,
+        "timings": t.timings._asdict(),
+        "metadata": dict(t.metadata),
+    }

@@ -1,0 +1,170 @@
+"""The producer's settings: what a producer process runs, the bounds of an episode, when
+new groups may start."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from connectors.base import with_latency
+from pipeline.errors import InvalidConfigError
+from pipeline.policy.config import ModelConfig, SamplingConfig
+from pipeline.records.trajectory import MAX_ABS_REWARD
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    """Bounds of one episode: tokens per policy turn, policy turns, seconds, tokens of
+    one observation (prompt, tool result or environment answer; longer ones are cut),
+    and the magnitude of the episode's reward (an environment past it is an
+    ``env_error``: no record may carry a reward the trainer refuses)."""
+
+    #: tokens per policy turn
+    max_new_tokens: int = 4
+    #: policy turns per episode
+    max_policy_turns: int = 8
+    #: seconds one environment call may take
+    step_timeout_s: float = 10.0
+    #: seconds one episode may take
+    episode_timeout_s: float = 120.0
+    #: tokens of one observation (longer ones are cut)
+    max_observation_tokens: int = 1024
+    #: largest reward magnitude an environment may give (past it: env_error)
+    max_abs_reward: float = MAX_ABS_REWARD
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """Hold back new episodes while the records not yet read by the trainer group
+    ``<ns>.trainer`` plus this producer's episodes in flight exceed ``max_staleness``
+    steps of ``trainer_batch`` trajectories: more would be too stale when trained."""
+
+    #: pause while the trainer is this many steps behind (-1: never pause)
+    max_staleness: int = 2
+    #: trajectories per trainer step, to turn the trainer's lag into steps
+    trainer_batch: int = 64
+    #: seconds between two reads of the trainer group's lag
+    poll_s: float = 0.25
+
+
+@dataclass(frozen=True)
+class ProducerConfig:
+    """What a producer process runs (``rlstream produce``; ``rlstream config show
+    produce`` prints it resolved)."""
+
+    #: short flags for settings of a section, and flags that set several at once
+    FLAGS: ClassVar[dict[str, str | tuple[str, ...]]] = {
+        "env_option": "env_options",
+        "max_new_tokens": "limits.max_new_tokens",
+        "temperature": "sampling.temperature",
+        "top_p": "sampling.top_p",
+        "stop": "stop_sequences",
+        "checkpoint_root": "checkpoint_roots",
+        "max_staleness": "admission.max_staleness",
+        "trainer_batch": "admission.trainer_batch",
+        "seed": ("seed", "sampling.seed"),
+    }
+    #: settings read from environment variables (a flag wins over them)
+    ENV: ClassVar[dict[str, str]] = {
+        "namespace": "RLSTREAM_NAMESPACE",
+        "checkpoint_roots": "RLSTREAM_CHECKPOINT_ROOT",
+    }
+
+    #: experiment namespace: topics <ns>.rollouts.<env>, <ns>.weights, ...
+    namespace: str = "rlstream"
+    #: registered environment name (rlstream env list)
+    env: str = "guess"
+    #: environment constructor options (a VALUE is read as JSON if it parses)
+    env_options: Mapping[str, Any] = field(default_factory=dict)
+    #: simulated environment latency, median in milliseconds (log-normal; 0: none)
+    latency_ms: float = 0.0
+    #: its log-normal shape
+    latency_sigma: float = 1.0
+    #: episodes in flight
+    concurrency: int = 128
+    #: GRPO group size: episodes per task
+    group_size: int = 8
+    #: partitions of the rollout topic if it does not exist yet
+    partitions: int = 4
+    #: this producer's name in records, status and metrics (default: a new one)
+    producer_id: str = field(default_factory=lambda: f"producer-{uuid.uuid4().hex[:6]}")
+    #: seed of the task draw
+    seed: int = 0
+    #: seed of the initial parameters; the trainer's ``seed``, so that version 0 is the
+    #: same policy on both sides
+    model_seed: int = 0
+    #: synchronous mode: start at most this many episodes per policy version, then wait
+    #: for the next version (the classic generate-then-train loop); None: asynchronous
+    sync_batch: int | None = None
+    #: stop after this many episodes (None: run until stopped)
+    max_episodes: int | None = None
+    #: stop (exit status non-zero) once this many episodes in a row failed; 0: never
+    max_consecutive_failures: int = 200
+    #: on SIGINT/SIGTERM, seconds in-flight episodes get to finish
+    grace_s: float = 5.0
+    #: texts that end a policy turn, besides <eos> and </call>
+    stop_sequences: tuple[str, ...] = ()
+    #: accept announced checkpoints only under these folders; none: never reload weights
+    checkpoint_roots: tuple[Path, ...] = ()
+    #: append one JSON status line per second here (None: no status file)
+    status_file: Path | None = None
+    #: serve Prometheus metrics on this port (0: any free port; None: off)
+    metrics_port: int | None = None
+    #: address the metrics port binds (0.0.0.0 for a Prometheus on another host)
+    metrics_host: str = "127.0.0.1"
+    #: bounds of one episode
+    limits: EpisodeLimits = field(default_factory=EpisodeLimits)
+    #: how tokens are drawn
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    #: the policy's sizes, or a preset's name (tiny, small, base)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    #: when new groups may start
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1 or self.group_size < 1:
+            raise InvalidConfigError("concurrency and group size must be at least 1")
+        if self.sync_batch is not None and (
+            self.sync_batch < self.group_size or self.sync_batch % self.group_size
+        ):
+            raise InvalidConfigError(
+                f"sync batch {self.sync_batch} must be a positive multiple of the group "
+                f"size {self.group_size}"
+            )
+        if self.latency_ms < 0 or self.latency_sigma < 0:
+            raise InvalidConfigError("latency_ms and latency_sigma must be >= 0")
+
+    @property
+    def env_kwargs(self) -> dict[str, Any]:
+        """What the environment is built with: its options, and the simulated latency."""
+        return with_latency(self.env_options, self.latency_ms, self.latency_sigma)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """What ``rlstream eval`` measures: the success of a policy on held-out episodes."""
+
+    #: short flags for settings of a section
+    FLAGS: ClassVar[dict[str, str | tuple[str, ...]]] = {"env_option": "env_options"}
+
+    #: registered environment name (rlstream env list)
+    env: str = ProducerConfig.env
+    #: environment constructor options (a VALUE is read as JSON if it parses)
+    env_options: Mapping[str, Any] = field(default_factory=dict)
+    #: a weights/v<N> folder (None: the initial parameters of model_seed)
+    weights: Path | None = None
+    #: the policy's sizes, or a preset's name (tiny, small, base)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    #: seed of the initial parameters
+    model_seed: int = ProducerConfig.model_seed
+    #: held-out episodes
+    episodes: int = 200
+    #: tokens per policy turn
+    max_new_tokens: int = EpisodeLimits.max_new_tokens
+    #: sampling temperature
+    temperature: float = SamplingConfig.temperature
+    #: seed of the held-out tasks
+    seed: int = 0

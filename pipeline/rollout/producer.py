@@ -1,0 +1,413 @@
+"""The rollout producer: C concurrent episodes on one asyncio loop, batched sampling,
+records to Kafka, live weight reload and lag-aware admission control.
+
+Episodes are started group by group (each task sampled ``group_size`` times, one record
+per episode, keyed by group id). A slow environment only holds its own episode: the
+policy server batches whatever turns are ready. Admission control stops starting new
+groups while the trainer's consumer lag means new samples would arrive too stale, and
+resumes when the lag drains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import confluent_kafka
+
+from connectors import stats as connector_stats
+from connectors.base import Environment, close_shared, env_name, make
+from pipeline.errors import InvalidConfigError, InvalidTrajectoryError, ProducerFailedError
+from pipeline.kafka.client import KafkaConfig
+from pipeline.kafka.topics import rollout_topic
+from pipeline.kafka.transport import TrajectoryWriter
+from pipeline.kafka.weights import WeightsSubscriber
+from pipeline.observe.prometheus import Sample
+from pipeline.policy.model import init_model
+from pipeline.policy.sampler import DecodeEngine
+from pipeline.policy.server import PolicyServer
+from pipeline.policy.tokenizer import ByteTokenizer
+from pipeline.rollout.config import ProducerConfig
+from pipeline.rollout.episode import GroupSlot, failed_trajectory, run_episode
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ProducerStats:
+    started: int = 0
+    finished: Counter[str] = field(default_factory=Counter)
+    dropped: int = 0
+    paused: bool = False
+    paused_s: float = 0.0
+    lag: int = 0
+    #: synchronous mode: waiting for the trainer's next version
+    waiting: bool = False
+    #: episodes that failed inside the producer (written as failed records)
+    failed: int = 0
+
+
+class LagMonitor:
+    """Reads the trainer group's lag on the rollout topic from Kafka offsets."""
+
+    def __init__(self, kafka: KafkaConfig, topic: str, group: str) -> None:
+        self.topic = topic
+        self.consumer = kafka.consumer(group)
+
+    def lag(self) -> int:
+        md = self.consumer.list_topics(self.topic, timeout=10)
+        parts = [
+            confluent_kafka.TopicPartition(self.topic, p) for p in md.topics[self.topic].partitions
+        ]
+        committed = self.consumer.committed(parts, timeout=10)
+        total = 0
+        for tp in committed:
+            low, high = self.consumer.get_watermark_offsets(tp, timeout=10)
+            start = tp.offset if tp.offset >= 0 else low
+            if tp.metadata and tp.metadata.isdigit():  # the trainer's read position
+                start = max(start, int(tp.metadata))
+            total += max(0, high - start)
+        return total
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+class RolloutProducer:
+    """Runs episodes until ``max_episodes`` or until stopped; see module docstring."""
+
+    def __init__(
+        self,
+        cfg: ProducerConfig,
+        kafka: KafkaConfig,
+        on_progress: Callable[[RolloutProducer], None] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.kafka = kafka
+        self.tokenizer = ByteTokenizer()
+        if cfg.model.vocab_size < self.tokenizer.vocab_size:
+            raise InvalidConfigError("model vocabulary is smaller than the tokenizer's")
+        model = init_model(cfg.model, cfg.model_seed)
+        self.engine = DecodeEngine(model, cfg.concurrency, cfg.sampling)
+        self.server = PolicyServer(
+            self.engine,
+            {self.tokenizer.eos, self.tokenizer.end_call},
+            stop_sequences=tuple(tuple(self.tokenizer.encode(s)) for s in cfg.stop_sequences),
+        )
+        self.writer = TrajectoryWriter(kafka, cfg.namespace)
+        self.stats = ProducerStats()
+        self.stop_event = threading.Event()
+        self.on_progress = on_progress
+        self.weights: WeightsSubscriber | None = None
+        if cfg.checkpoint_roots:
+            self.weights = WeightsSubscriber(
+                kafka,
+                cfg.namespace,
+                cfg.model,
+                self.tokenizer.id,
+                cfg.checkpoint_roots,
+                self.server.swap,
+            )
+        self._rng = random.Random(cfg.seed)
+        self._env_name = env_name(cfg.env, cfg.env_kwargs)
+        self._tasks: Environment | None = None
+        self._failures_in_a_row = 0
+        self.last_failure = ""
+        #: why the producer gave up (raised by ``run`` once everything is flushed)
+        self.failure: ProducerFailedError | None = None
+        self._sync_version = 0
+        self._sync_started = 0
+        self._started = time.monotonic()
+        self._sent_at_poll = 0  # records written when the last lag poll began
+
+    @property
+    def version(self) -> int:
+        return self.server.version
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def samples(self) -> list[Sample]:
+        """This producer's figures for Prometheus (read at scrape time)."""
+        st, w = self.stats, self.writer
+        finished = dict(st.finished)
+        done = sum(finished.values())
+        out = [
+            Sample(
+                "rlstream_producer_episodes_total",
+                n,
+                "counter",
+                "episodes finished, by status (ok, truncated, timeout, env_error)",
+                {"status": status},
+            )
+            for status, n in sorted(finished.items())
+        ]
+        out += [
+            Sample(
+                "rlstream_producer_episodes_in_flight",
+                st.started - done - st.dropped,
+                help="episodes running now",
+            ),
+            Sample(
+                "rlstream_producer_trajectories_per_second",
+                done / max(1e-9, time.monotonic() - self._started),
+                help="episodes finished per second since start",
+            ),
+            Sample("rlstream_producer_records_sent_total", w.sent, "counter", "records produced"),
+            Sample(
+                "rlstream_producer_records_delivered_total",
+                w.delivered,
+                "counter",
+                "records acknowledged by Kafka",
+            ),
+            Sample(
+                "rlstream_producer_delivery_failures_total",
+                w.failed,
+                "counter",
+                "records Kafka did not acknowledge",
+            ),
+            Sample(
+                "rlstream_producer_policy_version", self.version, help="policy version sampling now"
+            ),
+            Sample(
+                "rlstream_producer_lag_records",
+                st.lag,
+                help="records not yet read by the trainer group (admission control's view)",
+            ),
+            Sample("rlstream_producer_paused", int(st.paused), help="1 while admission holds back"),
+            Sample(
+                "rlstream_producer_paused_seconds_total",
+                st.paused_s,
+                "counter",
+                "seconds held back by admission control",
+            ),
+        ]
+        if self.weights is not None:
+            out += [
+                Sample(
+                    "rlstream_producer_weights_refused_total",
+                    n,
+                    "counter",
+                    "weight announcements refused, by reason",
+                    {"reason": reason},
+                )
+                for reason, n in sorted(dict(self.weights.refused).items())
+            ]
+            out.append(
+                Sample(
+                    "rlstream_producer_weights_loaded_total",
+                    self.weights.accepted,
+                    "counter",
+                    "weight announcements loaded",
+                )
+            )
+        for key, n in sorted(connector_stats.snapshot().items()):
+            connector, _, event = key.partition("/")
+            out.append(
+                Sample(
+                    "rlstream_connector_events_total",
+                    n,
+                    "counter",
+                    "connector events (retries, timeouts, restarts, tool calls ...)",
+                    {"connector": connector, "event": event},
+                )
+            )
+        return out
+
+    def run(self) -> ProducerStats:
+        """Run on a new event loop until done; flushes every finished record."""
+        self.server.start()
+        if self.weights is not None:
+            self.weights.start()
+            deadline = time.monotonic() + 30  # start from the latest announced weights
+            while not (self.weights.caught_up.wait(0.1) or self.stop_event.is_set()):
+                if time.monotonic() > deadline:
+                    break
+        try:
+            asyncio.run(self._main())
+        finally:
+            self.server.stop()
+            if self.weights is not None:
+                self.weights.stop()
+            self.writer.flush()
+        if self.failure is not None:
+            raise self.failure
+        return self.stats
+
+    async def _main(self) -> None:
+        cfg = self.cfg
+        free = list(range(cfg.concurrency))
+        running: set[asyncio.Task[None]] = set()
+        members: list[GroupSlot] = []
+        admission = asyncio.create_task(self._admission())
+        last_progress = time.monotonic()
+        while not self.stop_event.is_set():
+            if cfg.max_episodes is not None and self.stats.started >= cfg.max_episodes:
+                break
+            if free and not (members == [] and (not self._admit() or self._sync_full())):
+                if not members:
+                    members = self._new_group()
+                    self._sync_started += len(members)
+                slot = free.pop()
+                task = asyncio.create_task(self._episode(members.pop(0), slot, free))
+                running.add(task)
+                task.add_done_callback(running.discard)
+                self.stats.started += 1
+                continue
+            await asyncio.sleep(0.01)
+            if self.on_progress and time.monotonic() - last_progress > 1.0:
+                last_progress = time.monotonic()
+                self.on_progress(self)
+        await self._drain(running)
+        admission.cancel()
+        await close_shared()
+
+    def _admit(self) -> bool:
+        """Admission control: may a new group start now? Records the trainer has not read
+        (polled, plus those written since) and episodes in flight (exact) stay within the
+        staleness budget."""
+        adm = self.cfg.admission
+        if adm.max_staleness < 0:
+            return True
+        st = self.stats
+        in_flight = st.started - sum(st.finished.values()) - st.dropped
+        # The polled lag counts the records Kafka held when the poll began; the records
+        # this producer wrote since count too, or a slow poll would let it start groups
+        # on a stale figure.
+        unpolled = self.writer.sent - self._sent_at_poll
+        outstanding = st.lag + unpolled + in_flight
+        # (one group may always start when nothing is outstanding)
+        paused = outstanding > 0 and (
+            outstanding + self.cfg.group_size > adm.max_staleness * adm.trainer_batch
+        )
+        if paused != st.paused:
+            log.debug(
+                "admission %s lag=%d in_flight=%d",
+                "paused" if paused else "resumed",
+                st.lag,
+                in_flight,
+            )
+        st.paused = paused
+        return not paused
+
+    def _sync_full(self) -> bool:
+        """Synchronous mode: this version's batch is started; wait for the next one."""
+        if self.cfg.sync_batch is None:
+            return False
+        if self.version != self._sync_version:
+            self._sync_version, self._sync_started = self.version, 0
+        self.stats.waiting = self._sync_started >= self.cfg.sync_batch
+        return self.stats.waiting
+
+    async def _drain(self, running: set[asyncio.Task[None]]) -> None:
+        if running:
+            _, pending = await asyncio.wait(
+                set(running), timeout=self.cfg.grace_s if self.stop_event.is_set() else None
+            )
+            for t in pending:
+                t.cancel()
+            self.stats.dropped += len(pending)
+            if pending:
+                log.warning("dropped in-flight episodes=%d after grace", len(pending))
+                await asyncio.gather(*pending, return_exceptions=True)
+
+    def _new_group(self) -> list[GroupSlot]:
+        if self._tasks is None:  # one instance draws every group's task
+            self._tasks = make(self.cfg.env, **self.cfg.env_kwargs)
+        task = self._tasks.sample_task(self._rng)
+        gid = f"{self.cfg.producer_id}-{uuid.uuid4().hex[:12]}"
+        g = self.cfg.group_size
+        return [GroupSlot(gid, g, i, task) for i in range(g)]
+
+    async def _episode(self, member: GroupSlot, slot: int, free: list[int]) -> None:
+        """Play one episode and write its record. Whatever fails on the way (the
+        episode itself, or a record that breaks the contract) still writes a record, a
+        :func:`failed_trajectory`, so that its group stays complete and the episode is
+        counted: nothing stays in flight."""
+        status = "env_error"
+        try:
+            try:
+                env = make(self.cfg.env, **self.cfg.env_kwargs)
+                t = await run_episode(
+                    env,
+                    member,
+                    self.server,
+                    slot,
+                    self.tokenizer,
+                    self.cfg.limits,
+                    self.cfg.producer_id,
+                )
+            finally:
+                free.append(slot)
+            try:
+                self.writer.write(t)
+                status = t.status
+            except InvalidTrajectoryError as e:  # e.g. a policy that sampled NaN
+                self._failed(member, f"record refused: {e}")
+        except asyncio.CancelledError:  # dropped after the grace period: counted there
+            raise
+        except Exception as e:
+            log.warning("episode failed group=%s error=%r", member.group_id, e)
+            self._failed(member, f"{type(e).__name__}: {e}")
+        self.stats.finished[status] += 1
+        self._note_outcome(status)
+
+    def _failed(self, member: GroupSlot, error: str) -> None:
+        self.stats.failed += 1
+        self.last_failure = error[:500]
+        record = failed_trajectory(
+            member, self._env_name, self.tokenizer.id, self.cfg.producer_id, error
+        )
+        try:
+            self.writer.write(record)
+        except Exception as e:  # counted, and the run of failures stops the producer
+            log.error("failed episode's record not written group=%s error=%r", member.group_id, e)
+
+    def _note_outcome(self, status: str) -> None:
+        """Stop the producer when the last ``max_consecutive_failures`` episodes all
+        failed (environment errors, time-outs, failures inside the producer)."""
+        if status in ("ok", "truncated"):
+            self._failures_in_a_row = 0
+            return
+        self._failures_in_a_row += 1
+        limit = self.cfg.max_consecutive_failures
+        if limit and self._failures_in_a_row >= limit and self.failure is None:
+            finished = dict(self.stats.finished)
+            self.failure = ProducerFailedError(
+                f"the last {self._failures_in_a_row} episodes all failed (finished so far "
+                f"by status: {finished}; failures inside the producer: {self.stats.failed}); "
+                f"last error: {self.last_failure or 'see the log'}"
+            )
+            self.stop_event.set()
+
+    async def _admission(self) -> None:
+        adm = self.cfg.admission
+        if adm.max_staleness < 0:
+            return
+        monitor = LagMonitor(
+            self.kafka,
+            rollout_topic(self.cfg.namespace, self._env_name),
+            f"{self.cfg.namespace}.trainer",
+        )
+        try:
+            while True:
+                try:
+                    sent = self.writer.sent
+                    self.stats.lag = await asyncio.to_thread(monitor.lag)
+                    self._sent_at_poll = sent
+                except confluent_kafka.KafkaException as e:  # e.g. coordinator loading
+                    log.warning("lag unknown, keeping the last value: %s", e)
+                if self.stats.paused:
+                    self.stats.paused_s += adm.poll_s
+                await asyncio.sleep(adm.poll_s)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            await asyncio.to_thread(monitor.close)

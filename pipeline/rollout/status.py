@@ -1,0 +1,43 @@
+"""A producer's status file: one JSON line per second, read by ``rlstream run``'s live
+display and report."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from connectors import stats as connector_stats
+
+
+def status_line(producer: Any) -> dict[str, Any]:
+    """What a producer reports about itself now."""
+    st = producer.stats
+    done = sum(st.finished.values())
+    return {
+        "time": time.time(),
+        "producer_id": producer.cfg.producer_id,
+        "episodes": done,
+        "in_flight": st.started - done - st.dropped,
+        "paused": st.paused,
+        "waiting": st.waiting,
+        "lag": st.lag,
+        "version": producer.version,
+        "sent": producer.writer.sent,
+        "delivered": producer.writer.delivered,
+        "failed": producer.writer.failed,
+        "connectors": connector_stats.snapshot(),
+    }
+
+
+class StatusFile:
+    """Appends :func:`status_line` to ``path`` (created with its folder)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, producer: Any) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(status_line(producer)) + "\n")

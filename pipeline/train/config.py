@@ -1,0 +1,150 @@
+"""The trainer's settings: what a trainer process does, its loss and optimiser."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pipeline.errors import InvalidConfigError
+from pipeline.kafka.client import MAX_MESSAGE_BYTES
+from pipeline.kafka.topics import check_name
+from pipeline.policy.config import ModelConfig
+from pipeline.records.trajectory import MAX_ABS_REWARD
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    """Loss and optimiser settings."""
+
+    #: AdamW's peak learning rate (after warm-up)
+    learning_rate: float = 1e-3
+    #: steps of linear warm-up from 0
+    warmup_steps: int = 5
+    #: AdamW's weight decay
+    weight_decay: float = 0.0
+    #: gradients are clipped to this global norm
+    max_grad_norm: float = 1.0
+    #: PPO clip range below 1 (ratio >= 1 - clip_low)
+    clip_low: float = 0.2
+    #: PPO clip range above 1 (ratio <= 1 + clip_high; DAPO's clip-higher)
+    clip_high: float = 0.28
+    #: truncation of the behaviour importance weight
+    is_cap: float = 2.0
+    #: off-policy correction: decoupled (PPO against the proximal policy) or tis
+    #: (truncated importance sampling)
+    correction: str = "decoupled"
+    #: loss aggregation: token_mean, seq_mean_token_mean or seq_mean_token_sum
+    aggregation: str = "token_mean"
+    #: coefficient of the KL penalty to the initial policy (0: none)
+    kl_coef: float = 0.0
+    #: optimiser updates per batch (the batch split into this many minibatches)
+    minibatches: int = 1
+    #: added to the group's reward std before dividing
+    adv_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.correction not in ("decoupled", "tis"):
+            raise InvalidConfigError(f"correction must be decoupled or tis, not {self.correction}")
+        aggs = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+        if self.aggregation not in aggs:
+            raise InvalidConfigError(f"aggregation must be one of {aggs}")
+        if self.minibatches < 1 or self.is_cap <= 0:
+            raise InvalidConfigError("minibatches must be >= 1 and is_cap > 0")
+
+    def optimizer(self) -> Any:
+        """AdamW with linear warm-up and global-norm clipping (an optax transformation)."""
+        import optax
+
+        schedule = optax.linear_schedule(0.0, self.learning_rate, max(1, self.warmup_steps))
+        return optax.chain(
+            optax.clip_by_global_norm(self.max_grad_norm),
+            optax.adamw(schedule, weight_decay=self.weight_decay),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+    """What a trainer process does (``rlstream train``; ``rlstream config show train``
+    prints it resolved)."""
+
+    #: short flags for settings of a section
+    FLAGS: ClassVar[dict[str, str | tuple[str, ...]]] = {
+        "checkpoint_dir": "run_dir",
+        "learning_rate": "grpo.learning_rate",
+    }
+    #: settings read from environment variables (a flag wins over them)
+    ENV: ClassVar[dict[str, str]] = {
+        "namespace": "RLSTREAM_NAMESPACE",
+        "run_dir": "RLSTREAM_RUN_DIR",
+    }
+
+    #: experiment namespace: topics <ns>.rollouts.<env>, <ns>.weights, ...
+    namespace: str = "rlstream"
+    #: checkpoints, weights, ledger and metrics
+    run_dir: Path = Path("runs/trainer")
+    #: complete GRPO groups per step
+    groups_per_batch: int = 8
+    #: GRPO group size: trajectories per task
+    group_size: int = 8
+    #: drop trajectories more than this many policy versions behind the trainer
+    max_staleness: int = 2
+    #: drop a group still incomplete after this long (s)
+    group_timeout_s: float = 120.0
+    #: train a partial batch (padding rows) when no full one came for this long (s)
+    batch_timeout_s: float = 30.0
+    #: padded sequence lengths (each must fit the model's max_len)
+    buckets: tuple[int, ...] = (64, 128, 256)
+    #: sampling weight of each environment in a batch (default: equal)
+    env_weights: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    #: save and announce weights every this many steps
+    publish_every: int = 1
+    #: checkpoints kept on disk
+    keep_checkpoints: int = 3
+    #: stop after this many steps (None: run until stopped)
+    max_steps: int | None = None
+    #: trajectories buffered while their groups complete
+    max_buffered: int = 4096
+    #: seed of the initial parameters and of batching
+    seed: int = 0
+    #: this trainer's name in metrics and telemetry (default: a new one)
+    trainer_id: str = dataclasses.field(default_factory=lambda: f"trainer-{uuid.uuid4().hex[:6]}")
+    #: sleep after each step (s), to test a slow trainer
+    step_delay_s: float = 0.0
+    #: how long a weights announcement may wait for the broker's acknowledgement before
+    #: training goes on (the record stays queued and is delivered later)
+    announce_timeout_s: float = 5.0
+    #: a record value larger than this goes to the dead-letter topic undecoded
+    #: ("oversized"), so no single record can make the trainer hold more than this
+    max_record_bytes: int = MAX_MESSAGE_BYTES
+    #: rewards (and reward components) beyond this magnitude are refused (reward_bound)
+    max_abs_reward: float = MAX_ABS_REWARD
+    #: behaviour log-probabilities of policy tokens below this are refused (bad_logprob)
+    min_logprob: float = -1e3
+    #: this many consecutive steps with a non-finite loss or gradient stop the trainer
+    max_nonfinite_steps: int = 5
+    #: this trainer's static group member id; a restart under the same id resumes at once
+    instance: str = "0"
+    #: serve Prometheus metrics on this port (0: any free port; None: off)
+    metrics_port: int | None = None
+    #: address the metrics port binds (0.0.0.0 for a Prometheus on another host)
+    metrics_host: str = "127.0.0.1"
+    #: the policy's sizes, or a preset's name (tiny, small, base)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    #: the loss and the optimiser
+    grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
+
+    def __post_init__(self) -> None:
+        check_name("namespace", self.namespace)
+        if max(self.buckets) > self.model.max_len:
+            raise InvalidConfigError(
+                f"bucket {max(self.buckets)} exceeds the model's max_len {self.model.max_len}"
+            )
+        if (self.groups_per_batch * self.group_size) % self.grpo.minibatches:
+            raise InvalidConfigError("batch rows must divide evenly into minibatches")
+
+    @property
+    def rows(self) -> int:
+        return self.groups_per_batch * self.group_size

@@ -1,0 +1,156 @@
+"""The trainer's intake: what each record read from a rollout topic is, before it may
+wait for its group, and where the refused ones go.
+
+:class:`RecordJudge` reads a record in this order, so that no byte is decoded in vain:
+the headers (unreadable ones: ``bad_header``), the staleness filter on the headers'
+``min_version`` (``stale``, never decoded), the size bound (``oversized``, never
+decoded), the decode (every :class:`~pipeline.errors.RecordDecodeError` reason), the
+tokenizer, then the training contract (:mod:`pipeline.train.contract`). Whatever exception a
+record provokes on the way is a refusal (``internal`` when nobody foresaw it): no record
+can stop the trainer.
+
+:class:`DeadLetters` sends each refused record, with its original key, headers and
+bytes and the reason, to ``<ns>.deadletter``. A letter that would not fit in a Kafka
+message keeps only a prefix of the value (its full size in the message and the
+``rlstream.value_size`` header); one the client or the broker still refuses is logged
+and counted. Either way the caller settles the record.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from pipeline.errors import RecordDecodeError
+from pipeline.kafka.client import MAX_MESSAGE_BYTES
+from pipeline.kafka.topics import deadletter_topic
+from pipeline.observe.telemetry import span
+from pipeline.records.codec import AvroCodec, TrajectoryCodec, TrajectoryHeaders
+from pipeline.records.trajectory import Trajectory
+from pipeline.train.contract import RecordContract
+
+log = logging.getLogger(__name__)
+
+#: a dead letter larger than this keeps only the first DEADLETTER_PREFIX bytes of the value
+DEADLETTER_BYTES = MAX_MESSAGE_BYTES - 64 * 1024
+DEADLETTER_PREFIX = 64 * 1024
+
+
+class RecordJudge:
+    """Decides one record: the trajectory to train, the error that refuses it, or the
+    reason (``stale``) to drop it unread."""
+
+    def __init__(self, contract: RecordContract, tokenizer_id: str, max_record_bytes: int) -> None:
+        self.contract = contract
+        self.tokenizer_id = tokenizer_id
+        self.max_record_bytes = max_record_bytes
+        self.codec = TrajectoryCodec()
+
+    def __call__(
+        self, m: Any, stale: Callable[[int], bool], newest_version: int | None
+    ) -> Trajectory | RecordDecodeError | str:
+        """``m`` a Kafka message; ``stale(min_version)`` the staleness filter;
+        ``newest_version`` the newest policy version announced (None: no bound)."""
+        try:
+            return self._judge(m, stale, newest_version)
+        except Exception as e:  # whatever a record provokes, it is a refusal, never a crash
+            return RecordDecodeError("internal", f"{type(e).__name__}: {str(e)[:500]}")
+
+    def _judge(
+        self, m: Any, stale: Callable[[int], bool], newest_version: int | None
+    ) -> Trajectory | RecordDecodeError | str:
+        try:
+            raw_headers = m.headers()
+        except Exception as e:  # e.g. a header name that is not UTF-8
+            return RecordDecodeError("bad_header", f"headers unreadable: {str(e)[:200]}")
+        h = TrajectoryHeaders.parse(raw_headers)
+        if h.min_version is not None and h.min_version >= 0 and stale(h.min_version):
+            return "stale"
+        value = m.value() or b""
+        if len(value) > self.max_record_bytes:
+            return RecordDecodeError(
+                "oversized",
+                f"{len(value)} bytes, more than max_record_bytes {self.max_record_bytes}",
+            )
+        try:
+            with span("decode", "kafka"):
+                t = self.codec.decode(value)
+        except RecordDecodeError as e:
+            return e
+        if t.tokenizer_id != self.tokenizer_id:
+            return RecordDecodeError(
+                "tokenizer", f"{t.tokenizer_id[:80]} is not {self.tokenizer_id}"
+            )
+        violation = self.contract.violation(t, newest_version)
+        if violation is not None:
+            return RecordDecodeError(*violation)
+        return t
+
+
+class DeadLetters:
+    """Sends refused records to ``<ns>.deadletter`` through ``producer`` (None: only
+    counted, as when training from a recording, whose ledger says it all)."""
+
+    def __init__(self, producer: Any, namespace: str, component: str) -> None:
+        self.producer = producer
+        self.topic = deadletter_topic(namespace)
+        self.component = component
+        self.codec = AvroCodec("DeadLetter")
+        self.count = 0  # records refused
+        self.failures = 0  # letters the client refused or Kafka did not take
+
+    def send(self, m: Any, e: RecordDecodeError) -> None:
+        self.count += 1
+        if self.producer is None:
+            return
+        try:
+            headers = {str(k): v for k, v in (m.headers() or []) if v is not None}
+        except Exception:  # unreadable headers are why this record is here
+            headers = {}
+        value, key = m.value(), m.key()
+        message = e.detail[:2000]
+        size = len(value or b"") + len(key or b"")
+        size += sum(len(k) + len(v) for k, v in headers.items())
+        if size > DEADLETTER_BYTES:
+            headers = {k: v for k, v in headers.items() if len(k) + len(v) <= 1024}
+            headers["rlstream.value_size"] = str(len(value or b"")).encode()
+            message += f" (value cut to its first {DEADLETTER_PREFIX} of {len(value or b'')} bytes)"
+            value, key = (value or b"")[:DEADLETTER_PREFIX], (key or b"")[:1024]
+        record = {
+            "source_topic": m.topic(),
+            "source_partition": m.partition(),
+            "source_offset": m.offset(),
+            "key": key,
+            "headers": headers,
+            "value": value,
+            "error_class": e.reason,
+            "error_message": message,
+            "component": self.component,
+            "time_ms": int(time.time() * 1000),
+        }
+        try:
+            data = self.codec.encode(record)
+            while True:
+                try:
+                    self.producer.produce(self.topic, data, key, on_delivery=self._delivered)
+                    break
+                except BufferError:
+                    self.producer.poll(0.1)
+        except Exception as ex:  # e.g. a letter the client refuses: the record stays settled
+            self.failures += 1
+            log.warning(
+                "dead letter not sent topic=%s partition=%d offset=%d reason=%s error=%s",
+                m.topic(),
+                m.partition(),
+                m.offset(),
+                e.reason,
+                str(ex)[:200],
+            )
+        self.producer.poll(0)
+
+    def _delivered(self, err: Any, msg: Any) -> None:
+        if err is not None:
+            self.failures += 1
+            log.warning("dead letter not delivered error=%s", err.str())

@@ -1,0 +1,525 @@
+"""The trainer: a member of consumer group ``<ns>.trainer`` that filters, batches and
+trains, and checkpoints so that every trajectory is trained at most once and none is lost.
+
+Per record: settled-before-restart records are skipped; :mod:`pipeline.train.intake` judges
+the rest (the staleness filter drops a record from its headers alone when ``version -
+min_version > max_staleness``; records that do not decode or break the training contract
+go to ``<ns>.deadletter``, whatever the failure); the rest wait in the group buffer until
+their GRPO group is complete (a repeated or foreign member is refused there). When the
+trainer is far behind, a whole range of a partition that is certainly stale (appended
+before the version that is ``max_staleness`` steps old was announced, by the broker's
+clock) is skipped with one seek.
+
+Every ``publish_every`` steps, in this order: the ledger lines are durable, an orbax
+checkpoint (train state, version, positions) is durable, the positions are committed to
+Kafka, the parameters are saved for producers and announced on ``<ns>.weights``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import confluent_kafka
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from pipeline.errors import InvalidConfigError, RecordDecodeError, TrainingDivergedError
+from pipeline.kafka.client import KafkaConfig
+from pipeline.kafka.topics import ROLLOUTS, env_of
+from pipeline.kafka.transport import Coordinates
+from pipeline.observe.prometheus import Sample
+from pipeline.observe.telemetry import metric, span
+from pipeline.observe.tensorboard import ScalarWriter, flatten
+from pipeline.policy.model import all_finite, init_model
+from pipeline.policy.tokenizer import TOKENIZER_ID, ByteTokenizer
+from pipeline.records.ledger import Ledger
+from pipeline.train.batching import GroupBuffer, GroupQueue, Refused, assemble, bucket_for
+from pipeline.train.config import TrainerConfig
+from pipeline.train.contract import RecordContract
+from pipeline.train.grpo import init_state, make_train_step
+from pipeline.train.intake import DeadLetters, RecordJudge
+from pipeline.train.positions import PositionTracker
+from pipeline.train.publish import WeightsPublisher
+from pipeline.train.samples import trainer_samples
+from pipeline.train.stale import StaleRanges
+
+log = logging.getLogger(__name__)
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        kafka: KafkaConfig | None,
+        on_step: Callable[[dict[str, Any]], None] | None = None,
+        source: Any = None,
+    ) -> None:
+        """``source``: train from a recording (:class:`pipeline.kafka.replay.RecordingSource`)
+        instead of Kafka; then nothing is committed, dead-lettered or announced (the
+        ledger still says what was dropped, and weights are still saved), no clock
+        decides anything, and the run ends when the recording does."""
+        self.cfg = cfg
+        self.kafka = kafka
+        self.on_step = on_step
+        self.stop_event = threading.Event()
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        self.tx = cfg.grpo.optimizer()
+        self.graphdef, self.state = init_state(init_model(cfg.model, cfg.seed), self.tx)
+        self.train_step = make_train_step(self.graphdef, cfg.grpo, self.tx)
+        self.ledger = Ledger(cfg.run_dir / "ledger.jsonl")
+        self.metrics_path = cfg.run_dir / "metrics.jsonl"
+        self.scalars = ScalarWriter(cfg.run_dir / "tensorboard")  # the same rows, for TensorBoard
+        self.tracker = PositionTracker()
+        self.version = 0
+        self.version_times: dict[int, int] = {}
+        self.buffer = GroupBuffer(cfg.max_buffered, cfg.group_timeout_s)
+        self.ready = GroupQueue(cfg.env_weights)
+        self.drops: Counter[str] = Counter()
+        self.drops_by_env: Counter[str] = Counter()
+        self.stale_ranges = StaleRanges(kafka)
+        self.nonfinite_steps = 0  # steps not applied (non-finite loss or gradient)
+        self.nonfinite_in_a_row = 0
+        contract = RecordContract(
+            min(ByteTokenizer().vocab_size, cfg.model.vocab_size),
+            cfg.max_abs_reward,
+            cfg.min_logprob,
+        )
+        self.judge = RecordJudge(contract, TOKENIZER_ID, cfg.max_record_bytes)
+        self.commit_failures = 0
+        self.trained = 0  # samples trained by this process
+        self.last_metrics: dict[str, Any] = {}  # the latest step's metrics row
+        self.started_at = time.monotonic()
+        #: seconds spent per phase: consume, intake (filter, decode), assemble, step,
+        #: checkpoint (ledger, orbax, commit, announcement)
+        self.timers: dict[str, float] = defaultdict(float)
+        self._last_checkpoint = self._last_step = time.monotonic()
+        self.ckpt = ocp.CheckpointManager(
+            (cfg.run_dir / "checkpoints").absolute(),
+            options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep_checkpoints, create=True),
+        )
+        self._restore()
+        self.source = source
+        if source is not None:
+            self.consumer = source
+            self.consumer.subscribe([], on_assign=self._on_assign, on_revoke=self._on_revoke)
+            self.producer: Any = None
+            self.dead_letters = DeadLetters(None, cfg.namespace, cfg.trainer_id)
+            self.publisher = WeightsPublisher(cfg, None)  # saved, never announced
+            return
+        if kafka is None:
+            raise InvalidConfigError("a trainer needs a Kafka cluster or a recording")
+        # Static membership: a trainer restarted under the same instance id gets its
+        # partitions back at once instead of waiting for the old session to time out.
+        self.consumer = kafka.consumer(
+            f"{cfg.namespace}.trainer",
+            **{
+                "group.instance.id": f"{cfg.namespace}.trainer.{cfg.instance}",
+                "session.timeout.ms": 30000,
+            },
+        )
+        pattern = "^" + cfg.namespace.replace("-", "\\-") + ROLLOUTS.replace(".", "\\.") + ".*"
+        self.consumer.subscribe([pattern], on_assign=self._on_assign, on_revoke=self._on_revoke)
+        self.producer = kafka.producer()
+        self.dead_letters = DeadLetters(self.producer, cfg.namespace, cfg.trainer_id)
+        self.publisher = WeightsPublisher(cfg, self.producer)
+
+    @property
+    def deadlettered(self) -> int:
+        return self.dead_letters.count
+
+    @property
+    def deadletter_failures(self) -> int:
+        return self.dead_letters.failures
+
+    # ---- restore and positions --------------------------------------------------------
+
+    def _restore(self) -> None:
+        step = self.ckpt.latest_step()
+        if step is None:
+            return
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, self.state)
+        restored = self.ckpt.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+            ),
+        )
+        self.state = restored["state"]
+        meta = restored["meta"]
+        self.version = int(meta["version"])
+        self.version_times = {int(k): int(v) for k, v in meta["version_times"].items()}
+        self.tracker = PositionTracker.from_json(meta["positions"])
+        removed = self.ledger.truncate_after(int(meta["seq"]))
+        log.info(
+            "restored checkpoint step=%d version=%d ledger_lines_removed=%d",
+            step,
+            self.version,
+            removed,
+        )
+
+    def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
+        known = set(self.tracker.partitions())
+        stale_until = self._stale_until([p for p in partitions if (p.topic, p.partition) in known])
+        for tp in partitions:
+            key = (tp.topic, tp.partition)
+            if key in known:  # the checkpoint decides, whatever Kafka's committed offset says
+                low = self.tracker.low(key)
+                tp.offset = self._settle_stale(key, low, stale_until.get(key, low))
+        consumer.assign(partitions)
+        log.info("assigned partitions=%s", [(p.topic, p.partition, p.offset) for p in partitions])
+
+    def _on_revoke(self, consumer: Any, partitions: list[Any]) -> None:
+        tps = {(p.topic, p.partition) for p in partitions}
+        dropped = self.buffer.drop_partitions(tps)  # their new owner reads them again
+        for tp in tps:
+            self.tracker.forget(tp)
+        log.info("revoked partitions=%d buffered_groups_released=%d", len(tps), len(dropped))
+
+    # ---- the loop ----------------------------------------------------------------------
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def run(self) -> int:
+        """Train until ``max_steps`` or until stopped; returns the final step."""
+        last_skip_check = 0.0
+        step = int(self.state.step)
+        self.warm_up()
+        try:
+            while not self.stop_event.is_set():
+                if self.cfg.max_steps is not None and step >= self.cfg.max_steps:
+                    break
+                if self.source is not None and self.source.exhausted:
+                    if len(self.ready):  # the recording's last, partial batch
+                        step = self._train()
+                        continue
+                    break
+                t0 = time.perf_counter()
+                # block on Kafka only when there is no batch to train
+                starving = len(self.ready) < self.cfg.groups_per_batch
+                with span("consume", "kafka"):
+                    msgs = self.consumer.consume(256, 0.2 if starving else 0)
+                t1 = time.perf_counter()
+                if msgs:
+                    with span("intake", "kafka", records=len(msgs)):
+                        for m in msgs:
+                            self._intake(m)
+                self.timers["consume"] += t1 - t0
+                self.timers["intake"] += time.perf_counter() - t1
+                for g in self.buffer.expired() if self.source is None else ():
+                    self._drop_group(g, "incomplete_group")
+                for g in self.buffer.overflow():
+                    self._drop_group(g, "buffer_full")
+                if time.monotonic() - last_skip_check > 2.0:
+                    self._skip_stale_ranges()
+                    last_skip_check = time.monotonic()
+                if len(self.ready) >= self.cfg.groups_per_batch or (
+                    len(self.ready)
+                    and self.source is None
+                    and time.monotonic() - self._last_step > self.cfg.batch_timeout_s
+                ):  # a partial batch (padding rows) rather than waiting forever
+                    step = self._train()
+                if self.ledger.dirty and time.monotonic() - self._last_checkpoint > 10.0:
+                    self._checkpoint(announce=False)  # settle drops even when not training
+            if self.ledger.dirty:
+                self._checkpoint(announce=False)
+        finally:
+            self.consumer.close()
+            if self.producer is not None:
+                self.producer.flush(10)
+            self.ckpt.wait_until_finished()
+        return step
+
+    def warm_up(self) -> None:
+        """Compile the step for every length bucket now, on an all-padding batch (its
+        result is discarded), so that no step compiles once training runs."""
+        from pipeline.train.grpo import Batch
+
+        for t in sorted(self.cfg.buckets):
+            if self.stop_event.is_set():  # a stop during start-up is not held up by compiles
+                return
+            r = self.cfg.rows
+            empty = Batch(
+                np.zeros((r, t), np.int32),
+                np.zeros((r, t), np.float32),
+                np.zeros((r, t), np.float32),
+                np.zeros(r, np.float32),
+                np.zeros(r, np.float32),
+            )
+            jax.block_until_ready(self.train_step(self.state, empty))
+
+    def _intake(self, m: Any) -> None:
+        err = m.error()
+        if err is not None:
+            if err.code() != confluent_kafka.KafkaError._PARTITION_EOF:
+                log.warning("consumer error=%s", err.str())
+            return
+        tp = (m.topic(), m.partition())
+        where = Coordinates(m.topic(), m.partition(), m.offset(), m.timestamp()[1])
+        if self.tracker.is_settled(tp, m.offset()):
+            self.tracker.skip(tp, m.offset())
+            return
+        self.tracker.read(tp, m.offset())
+        env = env_of(m.topic()) or "?"
+        if self.source is None and where.timestamp_ms > 0:  # time the record spent in Kafka
+            metric("kafka_latency_s", time.time() - where.timestamp_ms / 1000, env=env)
+        # (a recording has no bound on versions: it is trained from version 0 again)
+        verdict = self.judge(m, self._stale, None if self.source is not None else self.version)
+        if isinstance(verdict, RecordDecodeError):
+            self.dead_letters.send(m, verdict)
+            return self._drop(None, where, verdict.reason, env)
+        if isinstance(verdict, str):  # dropped without being invalid (stale, too long ...)
+            return self._drop(None, where, verdict, env)
+        t = verdict
+        if t.min_version >= 0 and self._stale(t.min_version):
+            return self._drop(t.trajectory_id, where, "stale", env)
+        if bucket_for(t.num_tokens, self.cfg.buckets) is None:
+            return self._drop(t.trajectory_id, where, "too_long", env)
+        if t.group_size != self.cfg.group_size:
+            return self._drop(t.trajectory_id, where, "group_size", env)
+        group = self.buffer.add(t, where)
+        if isinstance(group, Refused):
+            self.dead_letters.send(m, RecordDecodeError(group.reason, group.detail))
+            return self._drop(t.trajectory_id, where, group.reason, env)
+        if group is not None:
+            self.ready.put(group)
+        return None
+
+    def _stale(self, min_version: int) -> bool:
+        return self.version - min_version > self.cfg.max_staleness
+
+    def _drop(self, tid: str | None, w: Coordinates, reason: str, env: str) -> None:
+        self.tracker.settle((w.topic, w.partition), w.offset)
+        self.ledger.drop(tid, w.topic, w.partition, w.offset, reason)
+        self.drops[reason] += 1
+        self.drops_by_env[f"{env}:{reason}"] += 1
+        metric("drop", 1, reason=reason, env=env)
+
+    def _drop_group(self, g: Any, reason: str) -> None:
+        for mem in g.members.values():
+            self._drop(mem.trajectory.trajectory_id, mem.where, reason, g.env)
+
+    def _stale_until(self, tps: list[Any]) -> dict[tuple[str, int], int]:
+        """Per partition, the first offset that may not be certainly stale."""
+        ts = self.version_times.get(self.version - self.cfg.max_staleness)
+        if ts is None or self.source is not None:  # (a recording has no clock)
+            return {}
+        return self.stale_ranges.until(self.consumer, tps, ts)
+
+    def _settle_stale(self, key: tuple[str, int], start: int, end: int) -> int:
+        """Drop the unread, unsettled records of ``[start, end)`` as one range each;
+        returns the offset to read from. Small ranges are left to the header filter."""
+        if end <= start + 64:
+            return start
+        for a, b in self.tracker.unsettled(key, start, end):
+            self.tracker.settle_range(key, a, b)
+            self.ledger.drop_range(key[0], key[1], a, b, "stale_range")
+            self.drops["stale_range"] += b - a
+            metric("drop", b - a, reason="stale_range", env=env_of(key[0]) or "")
+        log.info("skipped stale range topic=%s partition=%d from=%d to=%d", *key, start, end)
+        return end
+
+    def _skip_stale_ranges(self) -> None:
+        """While running: seek past ranges that became certainly stale."""
+        for key, end in self._stale_until(self.consumer.assignment()).items():
+            start = self.tracker.next(key)
+            if self._settle_stale(key, start, end) != start:
+                self.consumer.seek(confluent_kafka.TopicPartition(*key, end))
+
+    # ---- a step -------------------------------------------------------------------------
+
+    def _fresh_groups(self) -> list[Any]:
+        """Up to a batch of ready groups, dropping those that went stale while they
+        waited (the version moved on since they passed the filter)."""
+        groups: list[Any] = []
+        while len(groups) < self.cfg.groups_per_batch and len(self.ready):
+            for g in self.ready.take(self.cfg.groups_per_batch - len(groups)):
+                oldest = min(m.trajectory.min_version for m in g.members.values())
+                if oldest >= 0 and self._stale(oldest):
+                    self._drop_group(g, "stale")
+                else:
+                    groups.append(g)
+        return groups
+
+    def _train(self) -> int:
+        self._last_step = time.monotonic()
+        t0 = time.perf_counter()
+        with span("staleness_filter", "train"):
+            groups = self._fresh_groups()
+        if not groups:
+            return int(self.state.step)
+        with span("batch_assembly", "train", groups=len(groups)):
+            batch, members = assemble(groups, self.cfg.rows, self.cfg.buckets)
+        t1 = time.perf_counter()
+        self.timers["assemble"] += t1 - t0
+        with span("train_step", "train", step=int(self.state.step) + 1, trained=len(members)):
+            self.state, metrics = self.train_step(self.state, batch)
+            m: dict[str, Any] = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            if self.cfg.step_delay_s:
+                time.sleep(self.cfg.step_delay_s)
+        t2 = time.perf_counter()
+        self.timers["step"] += t2 - t1
+        if not m.pop("applied"):
+            return self._not_applied(groups, m)
+        self.nonfinite_in_a_row = 0
+        # (a trajectory without policy tokens, e.g. an environment that timed out on
+        # reset, has no version and no staleness)
+        stale = [
+            self.version - mem.trajectory.min_version
+            for mem in members
+            if mem.trajectory.min_version >= 0
+        ]
+        for mem in members:
+            w = mem.where
+            self.tracker.settle((w.topic, w.partition), w.offset)
+            self.ledger.train(mem.trajectory.trajectory_id, w.topic, w.partition, w.offset)
+        self.version += 1
+        step = int(self.state.step)
+        rewards: dict[str, list[float]] = {}
+        for mem in members:
+            rewards.setdefault(mem.trajectory.env, []).append(mem.trajectory.reward)
+        m.update(
+            {
+                "step": step,
+                "version": self.version,
+                "time": time.time(),
+                "tokens": int(batch.mask.sum()),
+                "bucket": int(batch.tokens.shape[1]),
+                "staleness_mean": float(np.mean(stale)) if stale else 0.0,
+                "staleness_hist": dict(Counter(int(s) for s in stale)),
+                "reward": {e: float(np.mean(r)) for e, r in rewards.items()},
+                "success": {e: float(np.mean([x > 0 for x in r])) for e, r in rewards.items()},
+                "drops": dict(self.drops),
+                "lag": self._lag(),
+            }
+        )
+        if step % self.cfg.publish_every == 0:
+            self._checkpoint(announce=True, metrics=m)
+        else:
+            self.ledger.close_step(step, self.version)
+        self.timers["checkpoint"] += time.perf_counter() - t2
+        busy = sum(self.timers[k] for k in ("assemble", "step", "checkpoint"))
+        m["busy_share"] = busy / max(1e-9, sum(self.timers.values()))
+        m["busy_s"], m["idle_s"] = busy, sum(self.timers.values()) - busy  # since start
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(m) + "\n")
+        self.trained += len(members)
+        self.last_metrics = m
+        self.scalars.write(
+            step, flatten({k: v for k, v in m.items() if k != "staleness_hist"}, "train"), m["time"]
+        )
+        if self.on_step:
+            self.on_step(m)
+        return step
+
+    def _not_applied(self, groups: list[Any], m: dict[str, Any]) -> int:
+        """A step whose loss or gradients were not finite changed nothing: its records
+        are settled as ``non_finite_step``; too many in a row stop the trainer."""
+        for g in groups:
+            self._drop_group(g, "non_finite_step")
+        self.nonfinite_steps += 1
+        self.nonfinite_in_a_row += 1
+        log.warning(
+            "step not applied: loss=%s grad_norm=%s groups=%d in_a_row=%d",
+            m.get("loss"),
+            m.get("grad_norm"),
+            len(groups),
+            self.nonfinite_in_a_row,
+        )
+        if self.nonfinite_in_a_row >= self.cfg.max_nonfinite_steps:
+            self._checkpoint(announce=False)  # the drops are settled; the model is intact
+            raise TrainingDivergedError(
+                f"{self.nonfinite_in_a_row} training steps in a row had a non-finite loss or "
+                f"gradient (loss {m.get('loss')}, gradient norm {m.get('grad_norm')}); none "
+                f"was applied and version {self.version} is the last one published: lower "
+                "the learning rate or look at the records of the last steps in the ledger "
+                "(reason non_finite_step)"
+            )
+        return int(self.state.step)
+
+    def samples(self) -> list[Sample]:
+        """This trainer's figures for Prometheus (read at scrape time)."""
+        return trainer_samples(self)
+
+    def _lag(self) -> int:
+        """Records of the assigned partitions not trained or dropped yet."""
+        total = 0
+        for tp in self.consumer.assignment():
+            try:
+                _, high = self.consumer.get_watermark_offsets(tp, cached=True)
+            except confluent_kafka.KafkaException:
+                continue
+            if high >= 0:
+                total += max(0, high - self._progress((tp.topic, tp.partition)))
+        return total
+
+    def _checkpoint(self, announce: bool, metrics: dict[str, Any] | None = None) -> None:
+        """Ledger line durable, then the checkpoint, then offsets committed, then (if
+        ``announce``) the parameters saved for producers and announced."""
+        step = int(self.state.step)
+        if not all_finite(self.state.params):  # never saved, never announced
+            raise TrainingDivergedError(
+                f"the parameters at step {step} are not finite; nothing was saved or "
+                f"announced after version {self.version - 1}"
+            )
+        seq = self.ledger.close_step(step, self.version)
+        if announce:
+            self.version_times[self.version] = int(time.time() * 1000)
+        meta = {
+            "seq": seq,
+            "step": step,
+            "version": self.version,
+            "positions": self.tracker.to_json(),
+            "version_times": {
+                str(k): v
+                for k, v in self.version_times.items()
+                if k >= self.version - self.cfg.max_staleness - 1
+            },
+        }
+        with span("checkpoint_save", "train", step=step, version=self.version):
+            self.ckpt.save(
+                seq,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(self.state), meta=ocp.args.JsonSave(meta)
+                ),
+            )
+            self.ckpt.wait_until_finished()  # durable before anything is committed
+        self._last_checkpoint = time.monotonic()
+        # The committed offset is where a restart resumes (the lowest unsettled record).
+        # Its metadata is the trainer's progress for producers' admission control: how
+        # far it has read, less the records it read that still wait for training, so
+        # that ``high - progress`` counts every record not yet trained or dropped (the
+        # committed offset alone would also count the settled records above it).
+        offsets = [
+            confluent_kafka.TopicPartition(
+                t, p, self.tracker.low((t, p)), str(self._progress((t, p)))
+            )
+            for t, p in self.tracker.partitions()
+        ]
+        if offsets:
+            try:
+                self.consumer.commit(offsets=offsets, asynchronous=False)
+            except confluent_kafka.KafkaException as e:
+                # the checkpoint holds the positions, so nothing is lost or trained twice:
+                # only producers' view of the lag is behind until the next commit succeeds
+                self.commit_failures += 1
+                log.warning("offset commit failed (the next checkpoint retries): %s", e)
+        if announce:
+            with span("announce", "train", step=step, version=self.version):
+                self._announce(step, metrics or {})
+
+    def _progress(self, tp: tuple[str, int]) -> int:
+        return self.tracker.next(tp) - self.tracker.pending_count(tp)
+
+    def _announce(self, step: int, m: dict[str, Any]) -> None:
+        self.publisher.publish(
+            self.version, step, lambda: nnx.merge(self.graphdef, self.state.params), m
+        )

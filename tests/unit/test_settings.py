@@ -1,0 +1,188 @@
+"""One source of configuration: defaults written once, flags and files derived from the
+config classes, every shared setting the same in run, produce and train."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from connectors.serve import ServeConfig
+from pipeline.cli.main import build_parser
+from pipeline.errors import InvalidConfigError
+from pipeline.launch.config import RunConfig
+from pipeline.rollout.config import EvalConfig, ProducerConfig
+from pipeline.settings import (
+    add_flags,
+    field_docs,
+    leaf_paths,
+    resolve,
+    to_mapping,
+    write_file,
+)
+from pipeline.train.config import TrainerConfig
+
+CONFIGS = (ProducerConfig, TrainerConfig, RunConfig, EvalConfig, ServeConfig)
+
+
+def default(cls: type) -> dict[str, Any]:
+    return to_mapping(resolve(cls, {}, environ={}))
+
+
+def at(data: dict[str, Any], path: str) -> Any:
+    for part in path.split("."):
+        data = data[part]
+    return data
+
+
+#: a setting of the run -> where the same setting lives in the other processes
+SHARED = {
+    "env": {ProducerConfig: "env", EvalConfig: "env"},
+    "env_options": {ProducerConfig: "env_options", EvalConfig: "env_options"},
+    "concurrency": {ProducerConfig: "concurrency"},
+    "group_size": {ProducerConfig: "group_size", TrainerConfig: "group_size"},
+    "groups_per_batch": {TrainerConfig: "groups_per_batch"},
+    "max_new_tokens": {ProducerConfig: "limits.max_new_tokens", EvalConfig: "max_new_tokens"},
+    "max_staleness": {ProducerConfig: "admission.max_staleness", TrainerConfig: "max_staleness"},
+    "temperature": {ProducerConfig: "sampling.temperature", EvalConfig: "temperature"},
+    "latency_ms": {ProducerConfig: "latency_ms"},
+    "latency_sigma": {ProducerConfig: "latency_sigma"},
+    "partitions": {ProducerConfig: "partitions"},
+    "seed": {TrainerConfig: "seed", ProducerConfig: "model_seed", EvalConfig: "model_seed"},
+    "metrics_host": {ProducerConfig: "metrics_host", TrainerConfig: "metrics_host"},
+    "model": {ProducerConfig: "model", TrainerConfig: "model", EvalConfig: "model"},
+    "grpo": {TrainerConfig: "grpo"},
+}
+
+
+def test_every_setting_shared_by_run_produce_and_train_has_one_default() -> None:
+    run = default(RunConfig)
+    for name, places in SHARED.items():
+        for cls, path in places.items():
+            assert at(default(cls), path) == run[name], f"{name}: {cls.__name__}.{path}"
+    # the producer turns lag into steps with the trainer's batch
+    p, t = default(ProducerConfig), default(TrainerConfig)
+    assert p["admission"]["trainer_batch"] == t["groups_per_batch"] * t["group_size"]
+
+
+def test_the_children_of_a_default_run_run_the_default_settings(tmp_path: Path) -> None:
+    run = RunConfig()
+    trainer = to_mapping(run.trainer("ns", tmp_path))
+    alone = default(TrainerConfig)
+    for key in ("group_size", "groups_per_batch", "max_staleness", "seed", "model", "grpo"):
+        assert trainer[key] == alone[key], key
+    producer = to_mapping(run.producer(0, "ns", tmp_path))
+    alone = default(ProducerConfig)
+    for key in ("concurrency", "group_size", "limits", "model", "partitions", "env"):
+        assert producer[key] == alone[key], key
+    assert producer["admission"]["max_staleness"] == alone["admission"]["max_staleness"]
+    assert producer["sampling"]["temperature"] == alone["sampling"]["temperature"]
+
+
+def test_every_setting_is_documented() -> None:
+    for cls in CONFIGS:
+        for path in leaf_paths(cls):
+            parts = path.split(".")
+            owner: Any = cls
+            for part in parts[:-1]:
+                owner = type(getattr(owner(), part))
+            assert field_docs(owner).get(parts[-1]), f"{cls.__name__}.{path} has no #: comment"
+
+
+@pytest.mark.parametrize("cls", CONFIGS)
+def test_a_resolved_config_written_to_a_file_reads_back_equal(cls: type, tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_flags(parser, cls)
+    flags = {
+        TrainerConfig: ["--group-size", "4", "--grpo.clip-low", "0.1", "--buckets", "32"],
+        ServeConfig: ["--stdio", "--env-option", "high=4", "--session-ttl", "5"],
+    }.get(cls, ["--model", "small", "--env-option", "high=4"])
+    cfg = resolve(cls, parser.parse_args(flags), environ={})
+    assert cfg != resolve(cls, {}, environ={})
+    path = write_file(cfg, tmp_path / "c.json")
+    assert resolve(cls, {}, file=path, environ={}) == cfg
+    yaml_path = tmp_path / "c.yaml"
+    import yaml
+
+    yaml_path.write_text(yaml.safe_dump(json.loads(path.read_text())))
+    assert resolve(cls, {}, file=yaml_path, environ={}) == cfg
+
+
+def test_flag_over_environment_over_file_over_default(tmp_path: Path) -> None:
+    file = tmp_path / "p.json"
+    file.write_text(json.dumps({"namespace": "from-file", "concurrency": 7, "group_size": 2}))
+    parser = argparse.ArgumentParser()
+    add_flags(parser, ProducerConfig)
+    env = {"RLSTREAM_NAMESPACE": "from-env"}
+    cfg = resolve(ProducerConfig, parser.parse_args(["--config", str(file)]), environ=env)
+    assert (cfg.namespace, cfg.concurrency, cfg.group_size) == ("from-env", 7, 2)
+    args = parser.parse_args(["--config", str(file), "--namespace", "flag", "--concurrency", "9"])
+    cfg = resolve(ProducerConfig, args, environ=env)
+    assert (cfg.namespace, cfg.concurrency, cfg.group_size) == ("flag", 9, 2)
+    assert cfg.partitions == ProducerConfig.partitions  # untouched: the default
+
+
+def test_short_flags_reach_their_sections_and_a_preset_can_be_refined() -> None:
+    parser = argparse.ArgumentParser()
+    add_flags(parser, ProducerConfig)
+    args = parser.parse_args(
+        ["--temperature", "0.5", "--seed", "3", "--model", "small", "--model.d-model", "128"]
+    )
+    cfg = resolve(ProducerConfig, args)
+    assert cfg.sampling.temperature == 0.5
+    assert cfg.seed == 3 and cfg.sampling.seed == 3  # one flag, both seeds
+    assert cfg.model.num_layers == 4 and cfg.model.d_model == 128  # small, then refined
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"grpo": {"learning_rat": 1e-3}}, "unknown setting 'learning_rat' (did you mean"),
+        ({"group_size": "eight"}, "TrainerConfig.group_size: 'eight' is not a integer"),
+        ({"buckets": "64"}, "TrainerConfig.buckets: '64' is not a list of integer"),
+        ({"model": "huge"}, "unknown model 'huge'"),
+        ({"model": {"d_model": 130, "num_heads": 4}}, "not a multiple of num_heads"),
+        ({"group_size": True}, "is not a integer"),
+        ({"max_steps": None, "grpo": None}, "TrainerConfig.grpo: must not be null"),
+    ],
+)
+def test_a_bad_setting_is_refused_in_one_sentence_naming_it(
+    data: dict[str, Any], message: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(InvalidConfigError) as e:
+        resolve(TrainerConfig, {}, file=path)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "name", "message"),
+    [
+        ("{not json", "c.json", "does not parse"),
+        ("[1, 2]", "c.json", "expected an object of settings"),
+        ("a: [b", "c.yaml", "does not parse"),
+        (None, "missing.json", "No such file"),
+    ],
+)
+def test_a_bad_config_file_is_refused(
+    text: str | None, name: str, message: str, tmp_path: Path
+) -> None:
+    path = tmp_path / name
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(InvalidConfigError, match=message):
+        resolve(ProducerConfig, {}, file=path)
+
+
+def test_help_comes_from_the_field_comments_with_the_defaults() -> None:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    text = sub.choices["produce"].format_help()
+    assert "episodes in flight (default: 128)" in " ".join(text.split())
+    text = " ".join(sub.choices["train"].format_help().split())
+    assert "--learning-rate NUMBER, --grpo.learning-rate NUMBER" in text
+    assert "AdamW's peak learning rate (after warm-up) (default: 0.001)" in text
