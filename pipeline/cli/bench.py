@@ -19,7 +19,16 @@ def register(sub: Any) -> None:
     p = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
     p.add_argument(
         "which",
-        choices=["codec", "transport", "rollout", "weights", "trainer", "async", "telemetry"],
+        choices=[
+            "codec",
+            "transport",
+            "rollout",
+            "weights",
+            "trainer",
+            "async",
+            "telemetry",
+            "producers",
+        ],
     )
     p.add_argument(
         "--seconds",
@@ -62,7 +71,10 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--announcements", type=int, default=10, help="checkpoints (weights)")
     p.add_argument(
-        "--steps", type=int, default=None, help="measured train steps (trainer: 20, async: 30)"
+        "--steps",
+        type=int,
+        default=None,
+        help="measured train steps (trainer: 20, async: 30, producers: 60)",
     )
     p.add_argument(
         "--interval", type=float, default=1.5, help="seconds between announcements (weights)"
@@ -74,7 +86,16 @@ def register(sub: Any) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from pipeline.bench import asyncrl, codec, rollout, telemetry, trainer, transport, weights
+    from pipeline.bench import (
+        asyncrl,
+        codec,
+        producers,
+        rollout,
+        telemetry,
+        trainer,
+        transport,
+        weights,
+    )
 
     benches: dict[str, Callable[[argparse.Namespace, Any], dict[str, Any]]] = {
         "async": asyncrl.run,
@@ -84,6 +105,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "weights": weights.run,
         "trainer": trainer.run,
         "telemetry": telemetry.run,
+        "producers": producers.run,
     }
     result = benches[args.which](args, cluster(args))
     print_result(args, result, format_bench(result))

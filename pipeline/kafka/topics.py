@@ -65,6 +65,11 @@ def telemetry_topic(namespace: str) -> str:
     return f"{check_name('namespace', namespace)}.telemetry"
 
 
+def producers_topic(namespace: str) -> str:
+    """Producers' heartbeats (admission control across producers), compacted."""
+    return f"{check_name('namespace', namespace)}.producers"
+
+
 def env_of(topic: str) -> str | None:
     """The environment of a rollout topic name, or None for other topics."""
     _, sep, env = topic.partition(ROLLOUTS)
@@ -102,7 +107,7 @@ def namespace_topics(
     overrides: Mapping[str, Mapping[str, str]] | None = None,
 ) -> list[TopicSpec]:
     """The topics of a namespace. ``overrides`` maps ``rollouts``, ``weights``,
-    ``deadletter`` or ``telemetry`` to extra topic configuration."""
+    ``deadletter``, ``telemetry`` or ``producers`` to extra topic configuration."""
     if partitions < 1:
         raise InvalidConfigError(f"partitions must be at least 1, got {partitions}")
     if not envs:
@@ -126,6 +131,15 @@ def namespace_topics(
     }
     deadletter = {**size, "cleanup.policy": "delete", "retention.ms": str(14 * DAY_MS)}
     telemetry = {**size, "cleanup.policy": "delete", "retention.ms": str(3 * DAY_MS)}
+    # the latest heartbeat of each producer; a stopped producer's tombstone goes soon
+    producers = {
+        **size,
+        "cleanup.policy": "compact",
+        "segment.ms": str(600_000),
+        "min.cleanable.dirty.ratio": "0.1",
+        "delete.retention.ms": str(600_000),
+        TIMESTAMP_TYPE: LOG_APPEND_TIME,
+    }
 
     def spec(name: str, parts: int, base: dict[str, str], kind: str) -> TopicSpec:
         return TopicSpec(name, parts, replication, {**base, **overrides.get(kind, {})})
@@ -134,6 +148,7 @@ def namespace_topics(
     specs.append(spec(weights_topic(namespace), 1, weights, "weights"))
     specs.append(spec(deadletter_topic(namespace), 1, deadletter, "deadletter"))
     specs.append(spec(telemetry_topic(namespace), 1, telemetry, "telemetry"))
+    specs.append(spec(producers_topic(namespace), 1, producers, "producers"))
     return specs
 
 

@@ -118,6 +118,9 @@ class WeightsSubscriber:
         self.accepted = 0
         self.caught_up = threading.Event()
         self.last_announced_ms = 0
+        #: the newest version announced for this model and tokenizer (loaded or not): how
+        #: far the trainer is ahead of the weights this producer samples with
+        self.announced = current_version
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="weights", daemon=True)
 
@@ -141,30 +144,51 @@ class WeightsSubscriber:
         backlog: deque[dict[str, Any]] = deque(maxlen=BACKLOG)
         try:
             while not self._stop.is_set():
-                msg = consumer.poll(0.2)
-                if msg is None:
-                    continue
-                err = msg.error()
-                if err is not None:
-                    if err.code() == confluent_kafka.KafkaError._PARTITION_EOF:
+                at_end = False
+                for msg in consumer.consume(64, 0.2):
+                    err = msg.error()
+                    if err is not None:
+                        if err.code() == confluent_kafka.KafkaError._PARTITION_EOF:
+                            at_end = True
+                        else:
+                            log.warning("weights consumer error=%s", err.str())
+                        continue
+                    try:
+                        record = codec.decode(msg.value() or b"")
+                    except RecordDecodeError as e:
+                        self._refuse("undecodable", str(e))
+                        continue
+                    self._note_announced(record)
+                    backlog.append(record)
+                # Whatever arrived together (a backlog at start, or the announcements made
+                # while a restore ran) is taken newest first: the newest that loads wins.
+                if backlog and (at_end or self.caught_up.is_set()):
+                    if not self._handle(backlog.pop()):
+                        # the newest was refused: it does not count as ahead of us
+                        self.announced = self.version
                         while backlog and not self._handle(backlog.pop()):
                             pass
-                        backlog.clear()
-                        self.caught_up.set()
-                    else:
-                        log.warning("weights consumer error=%s", err.str())
-                    continue
-                try:
-                    record = codec.decode(msg.value() or b"")
-                except RecordDecodeError as e:
-                    self._refuse("undecodable", str(e))
-                    continue
-                if self.caught_up.is_set():
-                    self._handle(record)
-                else:
-                    backlog.append(record)
+                    backlog.clear()
+                if at_end:
+                    self.caught_up.set()
         finally:
             consumer.close()
+
+    def _note_announced(self, ann: dict[str, Any]) -> None:
+        """Count a version as announced when it is newer and for this policy (same
+        tokenizer and model, a checkpoint inside an allowed root); one whose restore is
+        refused stops counting."""
+        try:
+            version = int(ann["policy_version"])
+            if (
+                version > self.announced
+                and ann["tokenizer_id"] == self.tokenizer_id
+                and ModelConfig.from_json(ann["model_config"]) == self.cfg
+            ):
+                checkpoint_path(ann["checkpoint_uri"], self.allowed_roots)  # else ValueError
+                self.announced = version
+        except (KeyError, TypeError, ValueError, InvalidConfigError):
+            pass  # refused with its reason when handled
 
     def _refuse(self, reason: str, detail: str) -> None:
         self.refused[reason] += 1

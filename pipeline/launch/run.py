@@ -383,8 +383,12 @@ class Display:
             self._rates[c.name] = (t0, n0, rate)
             total_rate += rate
             state = " waiting" if r.get("waiting") else " paused" if r.get("paused") else ""
-            versions.append(f"{c.name}=v{r['version']}{state}")
-        parts += [f"{total_rate:.0f} traj/s", "versions " + " ".join(versions)]
+            share = f" {r.get('in_flight', 0)}/{r['budget_share']}" if r.get("budget_share") else ""
+            versions.append(f"{c.name}=v{r['version']}{share}{state}")
+        parts += [
+            f"{total_rate:.0f} traj/s",
+            "producers (version in-flight/share) " + " ".join(versions),
+        ]
         return " | ".join(parts)
 
     def update(self, supervisor: Supervisor) -> None:

@@ -242,6 +242,7 @@ def write_report(
         "uses, played locally with the producers' sampling). Trained and dropped counts "
         "are read from the ledger.",
         "",
+        *producer_table(producer_status(run_dir)),
         "## Plots",
         "",
     ]
@@ -283,3 +284,28 @@ def _model_text(model: Any) -> str:
         f"`d_model={model.get('d_model')} layers={model.get('num_layers')} "
         f"heads={model.get('num_heads')} vocab={model.get('vocab_size')}`"
     )
+
+
+def producer_table(producers: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Report lines: each producer's episodes, its share of the staleness budget (the
+    episodes in flight it allowed itself; the budget divided among live producers), the
+    most it had in flight, and the time it spent paused by admission control."""
+    if not producers:
+        return []
+    lines = [
+        "## Producers",
+        "",
+        "| producer | episodes | budget share (last) | in flight (max) | peers seen | paused |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, rows in producers.items():
+        if not rows:
+            continue
+        last = rows[-1]
+        paused = sum(1 for r in rows if r.get("paused")) / len(rows)
+        lines.append(
+            f"| {name} | {last.get('episodes', 0)} | {last.get('budget_share', 0)} | "
+            f"{max(r.get('in_flight', 0) for r in rows)} | "
+            f"{max(r.get('peers', 0) for r in rows)} | {paused:.0%} |"
+        )
+    return [*lines, ""]

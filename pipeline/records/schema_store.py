@@ -26,6 +26,7 @@ SCHEMA_FILES = (
     "WeightsAnnouncement",
     "DeadLetter",
     "Telemetry",
+    "ProducerHeartbeat",
 )
 
 

@@ -39,15 +39,18 @@ class EpisodeLimits:
 @dataclass(frozen=True)
 class AdmissionConfig:
     """Hold back new episodes while the records not yet read by the trainer group
-    ``<ns>.trainer`` plus this producer's episodes in flight exceed ``max_staleness``
-    steps of ``trainer_batch`` trajectories: more would be too stale when trained."""
+    ``<ns>.trainer`` plus the episodes in flight at every live producer exceed
+    ``max_staleness`` steps of ``trainer_batch`` trajectories: more would be too stale when
+    trained (see :mod:`pipeline.rollout.admission`)."""
 
     #: pause while the trainer is this many steps behind (-1: never pause)
     max_staleness: int = 2
     #: trajectories per trainer step, to turn the trainer's lag into steps
     trainer_batch: int = 64
-    #: seconds between two reads of the trainer group's lag
+    #: seconds between two reads of the trainer group's lag (and two heartbeats)
     poll_s: float = 0.25
+    #: a peer producer silent this long is no longer counted (it died)
+    heartbeat_timeout_s: float = 5.0
 
 
 @dataclass(frozen=True)

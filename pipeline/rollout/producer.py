@@ -34,6 +34,7 @@ from pipeline.policy.model import init_model
 from pipeline.policy.sampler import DecodeEngine
 from pipeline.policy.server import PolicyServer
 from pipeline.policy.tokenizer import ByteTokenizer
+from pipeline.rollout.admission import Heartbeats, LagMonitor, decide
 from pipeline.rollout.config import ProducerConfig
 from pipeline.rollout.episode import GroupSlot, failed_trajectory, run_episode
 
@@ -52,32 +53,13 @@ class ProducerStats:
     waiting: bool = False
     #: episodes that failed inside the producer (written as failed records)
     failed: int = 0
-
-
-class LagMonitor:
-    """Reads the trainer group's lag on the rollout topic from Kafka offsets."""
-
-    def __init__(self, kafka: KafkaConfig, topic: str, group: str) -> None:
-        self.topic = topic
-        self.consumer = kafka.consumer(group)
-
-    def lag(self) -> int:
-        md = self.consumer.list_topics(self.topic, timeout=10)
-        parts = [
-            confluent_kafka.TopicPartition(self.topic, p) for p in md.topics[self.topic].partitions
-        ]
-        committed = self.consumer.committed(parts, timeout=10)
-        total = 0
-        for tp in committed:
-            low, high = self.consumer.get_watermark_offsets(tp, timeout=10)
-            start = tp.offset if tp.offset >= 0 else low
-            if tp.metadata and tp.metadata.isdigit():  # the trainer's read position
-                start = max(start, int(tp.metadata))
-            total += max(0, high - start)
-        return total
-
-    def close(self) -> None:
-        self.consumer.close()
+    #: episodes in flight this producer allows itself (its share of the budget)
+    share: int = 0
+    #: live other producers of the namespace, and their episodes in flight
+    peers: int = 0
+    peers_in_flight: int = 0
+    #: versions announced but not (yet) sampled with here
+    behind: int = 0
 
 
 class RolloutProducer:
@@ -126,6 +108,12 @@ class RolloutProducer:
         self._sync_started = 0
         self._started = time.monotonic()
         self._sent_at_poll = 0  # records written when the last lag poll began
+        self._peers: dict[str, int] = {}  # live peers and their episodes in flight
+        self._peers_unpolled = 0  # records the peers wrote since the last lag poll
+        #: no group starts before the peers are known (the heartbeats read to the end of
+        #: the log an interval after this producer's first), so that producers starting
+        #: at the same moment hear of each other first
+        self._peers_known = False
 
     @property
     def version(self) -> int:
@@ -267,35 +255,54 @@ class RolloutProducer:
                 self.on_progress(self)
         await self._drain(running)
         admission.cancel()
+        await asyncio.gather(admission, return_exceptions=True)  # its heartbeat goodbye
         await close_shared()
 
     def _admit(self) -> bool:
-        """Admission control: may a new group start now? Records the trainer has not read
-        (polled, plus those written since) and episodes in flight (exact) stay within the
-        staleness budget."""
+        """Admission control (:mod:`pipeline.rollout.admission`): may a new group start
+        now? The trainer's unread records, the ones written since the lag was polled, and
+        the episodes in flight here and at every live peer stay within the budget."""
         adm = self.cfg.admission
         if adm.max_staleness < 0:
             return True
+        if not self._peers_known:
+            return False
         st = self.stats
-        in_flight = st.started - sum(st.finished.values()) - st.dropped
-        # The polled lag counts the records Kafka held when the poll began; the records
-        # this producer wrote since count too, or a slow poll would let it start groups
-        # on a stale figure.
-        unpolled = self.writer.sent - self._sent_at_poll
-        outstanding = st.lag + unpolled + in_flight
-        # (one group may always start when nothing is outstanding)
-        paused = outstanding > 0 and (
-            outstanding + self.cfg.group_size > adm.max_staleness * adm.trainer_batch
+        in_flight = self.in_flight
+        # Versions the trainer is ahead of the weights sampled here (one is loading, or
+        # could not be) make an episode started now that much older when trained.
+        behind = 0 if self.weights is None else max(0, self.weights.announced - self.version)
+        st.behind = behind
+        d = decide(
+            budget=max(0, adm.max_staleness - behind) * adm.trainer_batch,
+            group_size=self.cfg.group_size,
+            lag=st.lag,
+            # The polled lag counts the records Kafka held when the poll began; the
+            # records this producer wrote since count too, or a slow poll would let it
+            # start groups on a stale figure.
+            unpolled=self.writer.sent - self._sent_at_poll + self._peers_unpolled,
+            own_in_flight=in_flight,
+            peers=self._peers,
         )
+        st.share, st.peers, st.peers_in_flight = d.share, d.peers, sum(self._peers.values())
+        paused = not d.admit
         if paused != st.paused:
             log.debug(
-                "admission %s lag=%d in_flight=%d",
+                "admission %s lag=%d in_flight=%d peers=%d peers_in_flight=%d share=%d",
                 "paused" if paused else "resumed",
                 st.lag,
                 in_flight,
+                d.peers,
+                st.peers_in_flight,
+                d.share,
             )
         st.paused = paused
         return not paused
+
+    @property
+    def in_flight(self) -> int:
+        st = self.stats
+        return st.started - sum(st.finished.values()) - st.dropped
 
     def _sync_full(self) -> bool:
         """Synchronous mode: this version's batch is started; wait for the next one."""
@@ -388,6 +395,8 @@ class RolloutProducer:
             self.stop_event.set()
 
     async def _admission(self) -> None:
+        """Every ``poll_s``: the trainer's lag, then this producer's heartbeat out and
+        its peers' in."""
         adm = self.cfg.admission
         if adm.max_staleness < 0:
             return
@@ -396,14 +405,33 @@ class RolloutProducer:
             rollout_topic(self.cfg.namespace, self._env_name),
             f"{self.cfg.namespace}.trainer",
         )
+        heartbeats = Heartbeats(
+            self.kafka,
+            self.cfg.namespace,
+            self.cfg.producer_id,
+            adm.poll_s,
+            adm.heartbeat_timeout_s,
+        )
         try:
             while True:
                 try:
                     sent = self.writer.sent
+                    heartbeats.mark_poll()
                     self.stats.lag = await asyncio.to_thread(monitor.lag)
                     self._sent_at_poll = sent
                 except confluent_kafka.KafkaException as e:  # e.g. coordinator loading
                     log.warning("lag unknown, keeping the last value: %s", e)
+                try:
+                    self._peers, self._peers_unpolled = await asyncio.to_thread(
+                        self._exchange,
+                        heartbeats,
+                        self.in_flight,
+                        self.writer.sent,
+                        self.stats.share,
+                    )
+                except confluent_kafka.KafkaException as e:
+                    log.warning("heartbeats not exchanged, keeping the last peers: %s", e)
+                self._peers_known = self._peers_known or heartbeats.ready
                 if self.stats.paused:
                     self.stats.paused_s += adm.poll_s
                 await asyncio.sleep(adm.poll_s)
@@ -411,3 +439,12 @@ class RolloutProducer:
             pass
         finally:
             await asyncio.to_thread(monitor.close)
+            await asyncio.to_thread(heartbeats.leave)
+
+    @staticmethod
+    def _exchange(
+        heartbeats: Heartbeats, in_flight: int, sent: int, share: int
+    ) -> tuple[dict[str, int], int]:
+        heartbeats.beat(in_flight, sent, share)
+        heartbeats.read(timeout_s=5.0)
+        return heartbeats.live(), heartbeats.unpolled()

@@ -27,6 +27,10 @@ def status_line(producer: Any) -> dict[str, Any]:
         "sent": producer.writer.sent,
         "delivered": producer.writer.delivered,
         "failed": producer.writer.failed,
+        "budget_share": st.share,
+        "peers": st.peers,
+        "peers_in_flight": st.peers_in_flight,
+        "behind": st.behind,
         "connectors": connector_stats.snapshot(),
     }
 

@@ -38,6 +38,7 @@ def test_topics_create_is_idempotent_and_describes(bootstrap: str, namespace: st
         f"{namespace}.weights",
         f"{namespace}.deadletter",
         f"{namespace}.telemetry",
+        f"{namespace}.producers",
     }
     assert topics[f"{namespace}.rollouts.guess"]["partitions"] == 3
     assert topics[f"{namespace}.weights"]["config"]["cleanup.policy"] == "compact"

@@ -117,6 +117,7 @@ def test_announced_weights_are_picked_up_mid_run(
     with_kafka = kafka.producer()
     announce(with_kafka, namespace, announcement(5, 5, path, CFG, TOKENIZER_ID, "trainer"))
     wait_for(lambda: producer.version == 5, 60)
+    assert producer.weights is not None and producer.weights.announced == 5
     sent_at_swap = producer.writer.sent
     wait_for(lambda: producer.writer.sent >= sent_at_swap + 8, 60)
     producer.stop()
@@ -165,6 +166,8 @@ def test_bad_announcements_are_refused_and_old_weights_stay(
     th.join(60)
     assert producer.version == 0
     assert producer.weights.refused == {"digest": 1, "uri": 2, "model_config": 1}
+    # none of them counts as a version the trainer is ahead by (admission is not held)
+    assert producer.weights.announced == 0
 
 
 def test_admission_control_pauses_until_the_trainer_catches_up(

@@ -32,7 +32,8 @@ SHORT = [
 ]
 
 
-def run_args(bootstrap: str, run_dir: Path, *extra: str) -> list[str]:
+def run_command(bootstrap: str, run_dir: Path, *flags: str) -> list[str]:
+    """``rlstream run`` on ``bootstrap`` into ``run_dir``, its result as JSON."""
     return [
         sys.executable,
         "-m",
@@ -41,9 +42,12 @@ def run_args(bootstrap: str, run_dir: Path, *extra: str) -> list[str]:
         f"--bootstrap={bootstrap}",
         f"--run-dir={run_dir}",
         "--json",
-        *SHORT,
-        *extra,
+        *flags,
     ]
+
+
+def run_args(bootstrap: str, run_dir: Path, *extra: str) -> list[str]:
+    return run_command(bootstrap, run_dir, *SHORT, *extra)
 
 
 def start_long_run(bootstrap: str, run_dir: Path, *extra: str) -> subprocess.Popen[str]:

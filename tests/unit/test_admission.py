@@ -1,0 +1,63 @@
+"""The admission rule across producers, computed by hand."""
+
+from __future__ import annotations
+
+from pipeline.rollout.admission import decide
+
+
+def test_one_producer_fills_the_budget_and_no_more() -> None:
+    # budget 64, groups of 8: 56 outstanding leaves room for one more group, 57 does not
+    assert decide(budget=64, group_size=8, lag=40, unpolled=8, own_in_flight=8, peers={}).admit
+    d = decide(budget=64, group_size=8, lag=40, unpolled=9, own_in_flight=8, peers={})
+    assert not d.admit and d.outstanding == 57 and d.share == 64 and d.peers == 0
+
+
+def test_the_peers_episodes_in_flight_count_against_the_budget() -> None:
+    alone = decide(budget=64, group_size=8, lag=16, unpolled=0, own_in_flight=8, peers={})
+    assert alone.admit
+    d = decide(
+        budget=64, group_size=8, lag=16, unpolled=0, own_in_flight=8, peers={"b": 16, "c": 16}
+    )
+    assert d.outstanding == 56 and d.admit  # 56 + 8 = 64 fits
+    d = decide(
+        budget=64, group_size=8, lag=17, unpolled=0, own_in_flight=8, peers={"b": 16, "c": 16}
+    )
+    assert not d.admit
+
+
+def test_each_producer_keeps_to_its_share_of_the_budget() -> None:
+    # four producers: a share of 16 each, whatever room the others leave
+    peers = {"b": 0, "c": 0, "d": 0}
+    d = decide(budget=64, group_size=8, lag=0, unpolled=0, own_in_flight=8, peers=peers)
+    assert d.share == 16 and d.admit  # 8 + 8 <= 16
+    d = decide(budget=64, group_size=8, lag=0, unpolled=0, own_in_flight=16, peers=peers)
+    assert not d.admit  # 16 + 8 > 16, although 24 of 64 are outstanding
+
+
+def test_a_share_is_never_below_one_group_and_an_idle_pipeline_always_admits() -> None:
+    peers = {f"p{i}": 0 for i in range(15)}  # 16 producers, budget 64: 4 each < a group
+    d = decide(budget=64, group_size=8, lag=0, unpolled=0, own_in_flight=0, peers=peers)
+    assert d.share == 8 and d.admit
+    # a budget smaller than a group: one group may still start when nothing is outstanding
+    assert decide(budget=4, group_size=8, lag=0, unpolled=0, own_in_flight=0, peers={}).admit
+    assert not decide(budget=4, group_size=8, lag=1, unpolled=0, own_in_flight=0, peers={}).admit
+
+
+def test_weights_behind_the_trainer_shrink_the_budget() -> None:
+    # max_staleness 2 of batches of 64, the producer one version behind: one batch left
+    one_behind = decide(
+        budget=(2 - 1) * 64, group_size=8, lag=56, unpolled=0, own_in_flight=0, peers={}
+    )
+    assert one_behind.admit  # 56 + 8 <= 64
+    assert not decide(budget=64, group_size=8, lag=57, unpolled=0, own_in_flight=0, peers={}).admit
+    # two behind: nothing may start, not even into an idle pipeline
+    assert not decide(budget=0, group_size=8, lag=0, unpolled=0, own_in_flight=0, peers={}).admit
+
+
+def test_producers_who_see_the_same_free_budget_take_a_part_each() -> None:
+    # budget 128, the trainer just trained a batch: 64 free. Neither producer has heard of
+    # the other's new episodes yet; each may take 32, not 64 (together: 64, not 128)
+    for own, admit in ((0, True), (24, True), (25, False), (32, False)):
+        d = decide(budget=128, group_size=8, lag=64, unpolled=0, own_in_flight=own, peers={"b": 0})
+        assert d.admit is admit, own
+    assert d.share == 64  # each producer's share of the whole budget, as reported
