@@ -182,7 +182,21 @@ class Heartbeats:
                 self.ready = self.ready or settled
                 return
             if not msgs and (self.ready or time.monotonic() >= deadline):
+                self._give_up_waiting()
                 return
+
+    def _give_up_waiting(self) -> None:
+        """Never wait for the peers longer than twice the timeout: a topic that cannot
+        be read leaves this producer counting itself and the trainer's backlog only."""
+        if self.ready or self._first_beat is None:
+            return
+        if time.monotonic() - self._first_beat > 2 * self.timeout_s:
+            log.warning(
+                "heartbeats on %s not readable: admitting on the trainer's backlog and this "
+                "producer's episodes only",
+                self.topic,
+            )
+            self.ready = True
 
     def _take(self, m: Any) -> None:
         if m.error() is not None:

@@ -158,3 +158,19 @@ def test_two_producers_at_the_default_settings_waste_almost_nothing(
         rows = [json.loads(x) for x in (run_dir / "producers" / f"producer-{i}.jsonl").open()]
         assert rows[-1]["budget_share"] == 64 and max(r["peers"] for r in rows) == 1
     assert "## Producers" in (run_dir / "report.md").read_text()
+
+
+def test_unreadable_heartbeats_leave_a_producer_admitting_on_its_own(
+    kafka: KafkaConfig, namespace: str
+) -> None:
+    """No ``<ns>.producers`` topic (a namespace made by hand, auto-creation off): the
+    producer does not wait for peers forever, it goes on with the backlog alone."""
+    hb = Heartbeats(kafka, namespace, "alone", interval_s=0.2, timeout_s=0.5)
+    t0 = time.monotonic()
+    while not hb.ready:
+        hb.beat(0, 0, 8)
+        hb.read(timeout_s=0.3)
+        assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 >= 1.0  # twice the timeout
+    assert hb.live() == {}
+    hb.leave()
