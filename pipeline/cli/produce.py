@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from typing import Any
 
@@ -41,6 +42,14 @@ def cmd_produce(args: argparse.Namespace) -> int:
     from pipeline.rollout.status import StatusFile
 
     cfg = resolve(ProducerConfig, args)
+    if not cfg.checkpoint_roots:
+        print(
+            "rlstream: warning: no --checkpoint-root: this producer samples its initial "
+            "policy and never loads the weights a trainer announces (give the trainer's "
+            "--run-dir, or set RLSTREAM_CHECKPOINT_ROOT)",
+            file=sys.stderr,
+            flush=True,
+        )
     kafka = kafka_config(args)
     from connectors.base import env_name
 

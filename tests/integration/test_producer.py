@@ -224,7 +224,7 @@ def test_sigterm_finishes_in_flight_work_and_flushes(bootstrap: str, namespace: 
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=dict(os.environ),
+        env={k: v for k, v in os.environ.items() if k != "RLSTREAM_CHECKPOINT_ROOT"},
     )
     deadline = time.monotonic() + 90
     assert proc.stdout is not None
@@ -237,6 +237,7 @@ def test_sigterm_finishes_in_flight_work_and_flushes(bootstrap: str, namespace: 
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
+    assert "no --checkpoint-root: this producer samples its initial policy" in err
     figures = json.loads(out.strip().splitlines()[-1])["figures"]
     assert figures["sent"] == figures["delivered"] == figures["episodes"]
     assert figures["delivery_failed"] == 0

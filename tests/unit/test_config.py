@@ -193,3 +193,14 @@ def test_docker_compose_agrees_with_the_local_broker() -> None:
         }
         for key, value in expected.items():
             assert props.get(key) == value, f"{name}: {key} is {props.get(key)}, want {value}"
+
+
+def test_docker_compose_producers_reload_the_weights_the_trainer_writes() -> None:
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    trainer, producer = services["trainer"], services["producer"]
+    assert "--run-dir /checkpoints" in trainer["command"]
+    assert "checkpoints:/checkpoints" in trainer["volumes"]
+    assert "--checkpoint-root /checkpoints" in producer["command"]
+    assert "checkpoints:/checkpoints:ro" in producer["volumes"]
+    for svc in (trainer, producer):  # the source and the pip cache stay mounted
+        assert ".:/src:ro" in svc["volumes"]
