@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pipeline.policy.tokenizer import ByteTokenizer
+from pipeline.policy.tokenizer import ByteTokenizer, ChatFormat
 from pipeline.records.trajectory import (
     LOGPROB_DTYPE,
     MASK_DTYPE,
@@ -101,14 +101,14 @@ class ScriptedPolicy:
     next of ``turns`` (token lists), so that tests drive episodes deterministically (tool
     calls, exact answers) without a model. ``fed`` records what each turn was given."""
 
-    def __init__(self, turns: list[list[int]], tokenizer: ByteTokenizer | None = None) -> None:
+    def __init__(self, turns: list[list[int]], tokenizer: ChatFormat | None = None) -> None:
         self.turns = list(turns)
         self.fed: list[list[int]] = []
         self.engine = self
         self.version = 0
         self.max_len = 1000
         tok = tokenizer or ByteTokenizer()
-        self._stops = (tok.eos, tok.end_call)
+        self._stops = tok.stop_tokens
 
     def room(self, slot: int) -> int:
         return 1000

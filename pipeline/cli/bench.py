@@ -28,7 +28,14 @@ def register(sub: Any) -> None:
             "async",
             "telemetry",
             "producers",
+            "model",
         ],
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a Hugging Face checkpoint directory (model; default: random tiny and "
+        "0.5b-shape Qwen2 checkpoints)",
     )
     p.add_argument(
         "--seconds",
@@ -89,6 +96,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from pipeline.bench import (
         asyncrl,
         codec,
+        model,
         producers,
         rollout,
         telemetry,
@@ -106,6 +114,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "trainer": trainer.run,
         "telemetry": telemetry.run,
         "producers": producers.run,
+        "model": model.run,
     }
     result = benches[args.which](args, cluster(args))
     print_result(args, result, format_bench(result))

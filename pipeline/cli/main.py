@@ -13,10 +13,10 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from pipeline.cli import bench, broker, check, config, env, produce, replay, run, train
+from pipeline.cli import bench, broker, check, config, env, model, produce, replay, run, train
 from pipeline.errors import RlstreamError
 
-COMMANDS = (broker, replay, env, run, check, produce, train, bench, config)
+COMMANDS = (broker, replay, env, run, check, produce, train, model, bench, config)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -517,10 +517,20 @@ _FILTERS: dict[str, Callable[[Recorded, str], bool]] = {
 }
 
 
-def render(r: Recorded, ledger: LedgerIndex | None = None) -> str:
-    """A recorded trajectory for a person to read."""
+def _text(t: Trajectory, start: int, end: int) -> str:
+    """Tokens ``[start, end)`` of ``t`` as text: the built-in byte tokenizer's are read;
+    a checkpoint's own tokenizer is not at hand here, so those are shown as ids."""
     from pipeline.policy.tokenizer import ByteTokenizer
 
+    ids = t.tokens[start:end].tolist()
+    if t.tokenizer_id.startswith("hf-"):
+        shown = " ".join(map(str, ids[:64]))
+        return f"[{len(ids)} token ids: {shown}{' ...' if len(ids) > 64 else ''}]"
+    return ByteTokenizer().decode(ids)
+
+
+def render(r: Recorded, ledger: LedgerIndex | None = None) -> str:
+    """A recorded trajectory for a person to read."""
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r.timestamp_ms / 1000))
     head = f"== {r.topic}[{r.partition}]@{r.offset}  {when} UTC"
     t = r.trajectory
@@ -529,7 +539,6 @@ def render(r: Recorded, ledger: LedgerIndex | None = None) -> str:
         if ledger:
             lines.append(f"   {ledger.fate(r)}")
         return "\n".join(lines)
-    tok = ByteTokenizer()
     spans = ", ".join(f"v{s.version}:{s.start}-{s.end}" for s in t.version_spans) or "none"
     lines = [
         f"{head}  env={t.env}  status={t.status}  reward={t.reward:g}",
@@ -541,7 +550,7 @@ def render(r: Recorded, ledger: LedgerIndex | None = None) -> str:
         lines.append(f"   {ledger.fate(r)}")
     versions = {(s.start, s.end): s.version for s in t.version_spans}
     for turn in t.turns:
-        text = tok.decode(t.tokens[turn.start : turn.end].tolist())
+        text = _text(t, turn.start, turn.end)
         label = turn.role
         if turn.role == "assistant":
             vs = sorted({v for (a, b), v in versions.items() if a < turn.end and b > turn.start})
@@ -557,7 +566,6 @@ def render(r: Recorded, ledger: LedgerIndex | None = None) -> str:
 def summary_json(r: Recorded, ledger: LedgerIndex | None = None) -> dict[str, Any]:
     """A recorded record for other tools: coordinates, the trajectory's scalars, the
     conversation as text, and its fate in the ledger."""
-    from pipeline.policy.tokenizer import ByteTokenizer
 
     out: dict[str, Any] = {
         "topic": r.topic,
@@ -568,7 +576,6 @@ def summary_json(r: Recorded, ledger: LedgerIndex | None = None) -> dict[str, An
     }
     t = r.trajectory
     if t is not None:
-        tok = ByteTokenizer()
         out |= {
             "trajectory_id": t.trajectory_id,
             "group_id": t.group_id,
@@ -582,7 +589,7 @@ def summary_json(r: Recorded, ledger: LedgerIndex | None = None) -> dict[str, An
                 {
                     "role": turn.role,
                     "tool": turn.tool_name,
-                    "text": tok.decode(t.tokens[turn.start : turn.end].tolist()),
+                    "text": _text(t, turn.start, turn.end),
                 }
                 for turn in t.turns
             ],

@@ -183,7 +183,7 @@ class WeightsSubscriber:
             if (
                 version > self.announced
                 and ann["tokenizer_id"] == self.tokenizer_id
-                and ModelConfig.from_json(ann["model_config"]) == self.cfg
+                and ModelConfig.from_json(ann["model_config"]).same_architecture(self.cfg)
             ):
                 checkpoint_path(ann["checkpoint_uri"], self.allowed_roots)  # else ValueError
                 self.announced = version
@@ -212,7 +212,7 @@ class WeightsSubscriber:
             self._refuse("tokenizer", f"{ann['tokenizer_id']} != {self.tokenizer_id}")
             return False
         try:
-            if ModelConfig.from_json(ann["model_config"]) != self.cfg:
+            if not ModelConfig.from_json(ann["model_config"]).same_architecture(self.cfg):
                 self._refuse("model_config", ann["model_config"])
                 return False
         except InvalidConfigError as e:

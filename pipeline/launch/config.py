@@ -74,7 +74,8 @@ class RunConfig:
     metrics_port: int | None = None
     #: address the metrics ports bind
     metrics_host: str = _P.metrics_host
-    #: the policy's sizes, or a preset's name (tiny, small, base)
+    #: the policy: a preset's name (tiny, small, base), a Hugging Face checkpoint directory
+    #: (Llama, Qwen2, Qwen3: rlstream model init makes one) or the sizes
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     #: the loss and the optimiser
     grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)

@@ -48,7 +48,8 @@ def save_params(path: Path, model: Transformer, version: int | None = None) -> P
         ckptr.save(path.absolute(), nnx.to_pure_dict(state))
         ckptr.wait_until_finished()
     if version is not None:
-        (path / VERSION_FILE).write_text(json.dumps({"policy_version": version}))
+        meta = {"policy_version": version, "model_config": model.cfg.to_json()}
+        (path / VERSION_FILE).write_text(json.dumps(meta))
     return path
 
 
@@ -132,6 +133,17 @@ def _walk(path: Path, roots: Sequence[Path] | None, into: Path | None) -> list[t
             else:
                 raise ValueError(f"{name} is neither a file nor a directory")
     return sorted(files)
+
+
+def saved_model_config(path: Path) -> ModelConfig:
+    """The model configuration written next to the parameters by :func:`save_params`."""
+    f = path / VERSION_FILE
+    if not f.is_file():
+        raise ValueError(f"{path} has no {VERSION_FILE}: not a checkpoint rlstream wrote")
+    try:
+        return ModelConfig.from_json(json.loads(f.read_text()[:65536])["model_config"])
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"{f} names no model configuration") from None
 
 
 def saved_version(path: Path) -> int | None:

@@ -8,13 +8,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 from pipeline.errors import InvalidConfigError
+from pipeline.policy.hf_format import read_model_fields
+
+#: model families: the built-in policy and the Hugging Face families rlstream implements
+FAMILIES = ("rlstream", "llama", "qwen2", "qwen3")
+DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Sizes of the policy. The default trains on two CPU cores in minutes."""
+    """Sizes and architecture of the policy. The default trains on two CPU cores in
+    minutes; ``--model DIR`` reads all of this from a Hugging Face checkpoint directory
+    (``config.json``), whose weights and tokenizer the policy then uses."""
 
     #: token ids the model knows
     vocab_size: int = 272
@@ -22,36 +30,122 @@ class ModelConfig:
     d_model: int = 128
     #: transformer blocks
     num_layers: int = 2
-    #: attention heads (d_model must be a multiple)
+    #: attention heads
     num_heads: int = 4
     #: width of the feed-forward layer
     d_ff: int = 512
-    #: longest sequence (positions) the model reads
+    #: longest sequence (positions) rlstream gives the model
     max_len: int = 256
+    #: rlstream (built-in: GELU feed-forward), llama, qwen2 (q/k/v biases), qwen3 (q/k norms)
+    family: str = "rlstream"
+    #: key-value heads of grouped-query attention (0: as many as num_heads)
+    num_kv_heads: int = 0
+    #: width of one attention head (0: d_model / num_heads)
+    head_size: int = 0
+    #: the output layer shares the embedding's weights
+    tie_embeddings: bool = True
+    #: epsilon of the RMS norms
+    norm_eps: float = 1e-6
+    #: base of the rotary position embedding
+    rope_theta: float = 10000.0
+    #: rotary scaling: "" (none) or "llama3"
+    rope_scaling: str = ""
+    #: llama3 rope scaling: factor
+    rope_factor: float = 8.0
+    #: llama3 rope scaling: low-frequency factor
+    rope_low_freq_factor: float = 1.0
+    #: llama3 rope scaling: high-frequency factor
+    rope_high_freq_factor: float = 4.0
+    #: llama3 rope scaling: the context the model was first trained on
+    rope_original_max_len: int = 8192
+    #: parameters and activations: float32 or bfloat16 (log-probabilities are float32)
+    dtype: str = "float32"
+    #: Hugging Face checkpoint directory the weights and tokenizer come from ("": none)
+    path: str = ""
+
+    _SIZES = ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len")
 
     def __post_init__(self) -> None:
-        sizes = dataclasses.astuple(self)
+        sizes = [getattr(self, n) for n in (*self._SIZES, "num_kv_heads", "head_size")]
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in sizes):
             raise InvalidConfigError(f"model sizes must be integers: {str(self)[:300]}")
-        if min(sizes) < 1 or max(sizes) > 2**24:
+        if min(sizes[:6]) < 1 or max(sizes) > 2**24 or min(sizes) < 0:
             raise InvalidConfigError(f"model sizes must lie in [1, 2**24]: {str(self)[:300]}")
-        if self.d_model % self.num_heads:
+        if self.family not in FAMILIES:
+            raise InvalidConfigError(
+                f"model family {self.family!r} is not one of {', '.join(FAMILIES)}"
+            )
+        if self.dtype not in DTYPES:
+            raise InvalidConfigError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.rope_scaling not in ("", "llama3"):
+            raise InvalidConfigError(
+                f"rope scaling {self.rope_scaling!r} is not supported (none or llama3)"
+            )
+        if not self.head_size and self.d_model % self.num_heads:
             raise InvalidConfigError(
                 f"d_model {self.d_model} is not a multiple of num_heads {self.num_heads}"
+            )
+        if self.num_heads % self.kv_heads:
+            raise InvalidConfigError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.kv_heads}"
+            )
+        floats = (self.norm_eps, self.rope_theta, self.rope_factor)
+        if not all(isinstance(v, int | float) and 0 < v < 1e12 for v in floats):
+            raise InvalidConfigError(
+                f"norm_eps, rope_theta and rope_factor must be positive: {floats}"
             )
 
     @classmethod
     def from_name(cls, name: str) -> ModelConfig:
-        """A preset by name (``tiny``, ``small``, ``base``)."""
-        if name not in PRESETS:
-            raise InvalidConfigError(
-                f"unknown model {name!r}: give one of {', '.join(PRESETS)} or its sizes"
-            )
-        return PRESETS[name]
+        """A preset by name (``tiny``, ``small``, ``base``) or a Hugging Face checkpoint
+        directory (its ``config.json``)."""
+        if name in PRESETS:
+            return PRESETS[name]
+        if "/" in name or name.startswith(".") or Path(name).is_dir():
+            return cls(**read_model_fields(Path(name)))
+        raise InvalidConfigError(
+            f"unknown model {name!r}: give one of {', '.join(PRESETS)}, a Hugging Face "
+            "checkpoint directory or the model's sizes"
+        )
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.num_heads
+        return self.head_size or self.d_model // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def gated(self) -> bool:
+        """SwiGLU feed-forward (the Hugging Face families) rather than GELU (built-in)."""
+        return self.family != "rlstream"
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.family == "qwen2"
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.family == "qwen3"
+
+    def same_architecture(self, other: ModelConfig) -> bool:
+        """Whether parameters of one fit the other: everything but where the weights came
+        from and the context length rlstream gives the model."""
+        a = dataclasses.replace(self, path="", max_len=1)
+        return a == dataclasses.replace(other, path="", max_len=1)
+
+    def num_params(self) -> int:
+        """Parameters of a model of this configuration."""
+        d, hd, v = self.d_model, self.head_dim, self.vocab_size
+        attn = d * hd * (self.num_heads * 2 + self.kv_heads * 2)
+        if self.qkv_bias:
+            attn += hd * (self.num_heads + 2 * self.kv_heads)
+        if self.qk_norm:
+            attn += 2 * hd
+        mlp = d * self.d_ff * (3 if self.gated else 2)
+        per_layer = attn + mlp + 2 * d
+        return v * d * (1 if self.tie_embeddings else 2) + self.num_layers * per_layer + d
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

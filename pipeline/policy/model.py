@@ -8,24 +8,27 @@ differentiates.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from pipeline.policy.config import ModelConfig
 
 
 class KVCache(NamedTuple):
-    """Keys and values, one array per layer, each ``[batch, heads, max_len, head_dim]``."""
+    """Keys and values, one array per layer, each ``[batch, kv_heads, max_len, head_dim]``."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
 
     @classmethod
-    def zeros(cls, cfg: ModelConfig, batch: int, dtype: Any = jnp.float32) -> KVCache:
-        shape = (batch, cfg.num_heads, cfg.max_len, cfg.head_dim)
+    def zeros(cls, cfg: ModelConfig, batch: int) -> KVCache:
+        shape = (batch, cfg.kv_heads, cfg.max_len, cfg.head_dim)
+        dtype = jnp.dtype(cfg.dtype)
         layers = range(cfg.num_layers)
         return cls(
             tuple(jnp.zeros(shape, dtype) for _ in layers),
@@ -33,15 +36,42 @@ class KVCache(NamedTuple):
         )
 
 
+class RMSNorm(nnx.Module):
+    """``scale * x / rms(x)``, the mean square taken in float32 (as Hugging Face does)."""
+
+    def __init__(self, dim: int, eps: float, dtype: Any) -> None:
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...] * normed.astype(x.dtype)
+
+
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
         self.cfg = cfg
-        self.norm1 = nnx.RMSNorm(cfg.d_model, rngs=rngs)
-        self.qkv = nnx.Linear(cfg.d_model, 3 * cfg.d_model, use_bias=False, rngs=rngs)
-        self.out = nnx.Linear(cfg.d_model, cfg.d_model, use_bias=False, rngs=rngs)
-        self.norm2 = nnx.RMSNorm(cfg.d_model, rngs=rngs)
-        self.up = nnx.Linear(cfg.d_model, cfg.d_ff, use_bias=False, rngs=rngs)
-        self.down = nnx.Linear(cfg.d_ff, cfg.d_model, use_bias=False, rngs=rngs)
+        d, hd, dt = cfg.d_model, cfg.head_dim, jnp.dtype(cfg.dtype)
+
+        def linear(i: int, o: int, bias: bool = False) -> nnx.Linear:
+            return nnx.Linear(i, o, use_bias=bias, dtype=dt, param_dtype=dt, rngs=rngs)
+
+        self.norm1 = RMSNorm(d, cfg.norm_eps, dt)
+        self.q = linear(d, cfg.num_heads * hd, cfg.qkv_bias)
+        self.k = linear(d, cfg.kv_heads * hd, cfg.qkv_bias)
+        self.v = linear(d, cfg.kv_heads * hd, cfg.qkv_bias)
+        self.out = linear(cfg.num_heads * hd, d)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.norm_eps, dt)
+            self.k_norm = RMSNorm(hd, cfg.norm_eps, dt)
+        self.norm2 = RMSNorm(d, cfg.norm_eps, dt)
+        if cfg.gated:
+            self.gate = linear(d, cfg.d_ff)
+        self.up = linear(d, cfg.d_ff)
+        self.down = linear(cfg.d_ff, d)
+        # a constant of the compiled program, not a parameter
+        self.inv_freq = tuple(float(f) for f in rope_frequencies(cfg))
 
     def __call__(
         self,
@@ -53,11 +83,15 @@ class Block(nnx.Module):
     ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
         cfg = self.cfg
         b, t, _ = x.shape
-        q, k, v = jnp.split(self.qkv(self.norm1(x)), 3, axis=-1)
-        q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(b, t, cfg.num_heads, cfg.head_dim)
-        v = v.reshape(b, t, cfg.num_heads, cfg.head_dim)
-        q, k = rope(q, positions), rope(k, positions)
+        kvh, hd = cfg.kv_heads, cfg.head_dim
+        h = self.norm1(x)
+        q = self.q(h).reshape(b, t, cfg.num_heads, hd)
+        k = self.k(h).reshape(b, t, kvh, hd)
+        v = self.v(h).reshape(b, t, kvh, hd)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
+        q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
         # heads before positions ([B, H, T, D]): attention needs no transpose of the cache
         q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
         if k_cache is None or v_cache is None or write is None:
@@ -66,28 +100,54 @@ class Block(nnx.Module):
             # write this chunk at each row's positions; rows not written aim past the end
             # of the cache, and those writes are dropped (no copy of the cache)
             rows = jnp.arange(b)[:, None, None]
-            heads = jnp.arange(cfg.num_heads)[None, :, None]
+            heads = jnp.arange(kvh)[None, :, None]
             at = jnp.where(write[:, None], positions, cfg.max_len)[:, None, :]
             k_cache = k_cache.at[rows, heads, at].set(k, mode="drop")
             v_cache = v_cache.at[rows, heads, at].set(v, mode="drop")
             keys, values = k_cache, v_cache
             key_pos = jnp.broadcast_to(jnp.arange(cfg.max_len), (b, cfg.max_len))
-        scores = jnp.einsum("bhqd,bhkd->bhqk", q, keys) / jnp.sqrt(cfg.head_dim)
-        causal = key_pos[:, None, None, :] <= positions[:, None, :, None]
-        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
-        attn = jax.nn.softmax(scores, axis=-1)
-        y = jnp.einsum("bhqk,bhkd->bqhd", attn, values).reshape(b, t, cfg.d_model)
+        # grouped-query attention: query head h reads key-value head h // group
+        group = cfg.num_heads // kvh
+        q = q.reshape(b, kvh, group, t, hd)
+        scores = jnp.einsum("bkgqd,bksd->bkgqs", q, keys).astype(jnp.float32) * hd**-0.5
+        causal = key_pos[:, None, None, None, :] <= positions[:, None, None, :, None]
+        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+        attn = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+        y = jnp.einsum("bkgqs,bksd->bqkgd", attn, values).reshape(b, t, cfg.num_heads * hd)
         x = x + self.out(y)
-        x = x + self.down(jax.nn.gelu(self.up(self.norm2(x))))
-        return x, k_cache, v_cache
+        h = self.norm2(x)
+        if cfg.gated:
+            h = jax.nn.silu(self.gate(h)) * self.up(h)
+        else:
+            h = jax.nn.gelu(self.up(h))
+        return x + self.down(h), k_cache, v_cache
 
 
-def rope(x: jax.Array, positions: jax.Array) -> jax.Array:
-    """Rotary position embedding of ``x [B, T, H, D]`` at ``positions [B, T]``."""
+def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies of the rotary embedding, ``[head_dim / 2]`` float32, with the
+    llama3 scaling when configured (as Hugging Face computes them)."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+    if cfg.rope_scaling == "llama3":
+        factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        old = cfg.rope_original_max_len
+        low_wavelen, high_wavelen = old / low, old / high
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv = np.where(medium, smoothed, scaled)
+    return np.asarray(inv, np.float32)
+
+
+def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotary position embedding of ``x [B, T, H, D]`` at ``positions [B, T]`` (the halves
+    of each head rotated together, as in Llama and Qwen)."""
     d = x.shape[-1] // 2
-    freq = 1.0 / (10000.0 ** (jnp.arange(d) / d))
-    angle = positions[..., None].astype(jnp.float32) * freq
-    cos, sin = jnp.cos(angle)[:, :, None, :], jnp.sin(angle)[:, :, None, :]
+    angle = positions[..., None].astype(jnp.float32) * inv_freq
+    cos = jnp.cos(angle)[:, :, None, :].astype(x.dtype)
+    sin = jnp.sin(angle)[:, :, None, :].astype(x.dtype)
     x1, x2 = x[..., :d], x[..., d:]
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
 
@@ -97,14 +157,20 @@ class Transformer(nnx.Module):
 
     Without a cache: a causal pass over ``tokens [B, T]``. With a cache: the tokens are
     written into the cache at ``positions`` for the rows where ``write [B]`` is true and
-    attend to everything in the row's cache at or before their position.
+    attend to everything in the row's cache at or before their position. The same code
+    is the built-in policy and the Llama and Qwen families (:class:`ModelConfig`).
     """
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
         self.cfg = cfg
-        self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
+        dt = jnp.dtype(cfg.dtype)
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dt, param_dtype=dt, rngs=rngs)
         self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
-        self.norm = nnx.RMSNorm(cfg.d_model, rngs=rngs)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, dt)
+        if not cfg.tie_embeddings:
+            self.lm_head = nnx.Linear(
+                cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dt, param_dtype=dt, rngs=rngs
+            )
 
     def __call__(
         self,
@@ -123,7 +189,8 @@ class Transformer(nnx.Module):
             if kc is not None and vc is not None:
                 ks.append(kc)
                 vs.append(vc)
-        logits = self.embed.attend(self.norm(x))
+        x = self.norm(x)
+        logits = self.embed.attend(x) if self.cfg.tie_embeddings else self.lm_head(x)
         if cache is None:
             return logits, None
         return logits, KVCache(tuple(ks), tuple(vs))

@@ -8,6 +8,10 @@ records written with another tokenizer.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+from pipeline.policy.chat import ChatTokenizer
 
 TOKENIZER_ID = "rlstream-bytes-v1"
 
@@ -23,6 +27,37 @@ SPECIALS = (
     "<call>",
     "</call>",
 )
+
+
+class ChatFormat(Protocol):
+    """What an episode needs of a tokenizer: the pieces of a conversation as tokens
+    (implemented by :class:`ByteTokenizer` and :class:`pipeline.policy.chat.ChatTokenizer`)."""
+
+    id: str
+    vocab_size: int
+
+    @property
+    def stop_tokens(self) -> set[int]: ...
+
+    @property
+    def assistant_header(self) -> list[int]: ...
+
+    def opening(self, prompt: str) -> list[int]: ...
+
+    def turn(self, role: str, text: str) -> list[int]: ...
+
+    def parse_call(self, tokens: Sequence[int], stopped: int | None) -> tuple[str, str] | None: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], *, specials: bool = False) -> str: ...
+
+
+def tokenizer_for(model_path: str) -> ChatFormat:
+    """The tokenizer of a policy: its checkpoint directory's own, or the built-in bytes."""
+    if not model_path:
+        return ByteTokenizer()
+    return ChatTokenizer.load(Path(model_path))
 
 
 class ByteTokenizer:
@@ -59,6 +94,29 @@ class ByteTokenizer:
         if run:
             out.append(run.decode("utf-8", errors="replace"))
         return "".join(out)
+
+    @property
+    def stop_tokens(self) -> set[int]:
+        """Tokens that end the policy's turn."""
+        return {self.eos, self.end_call}
+
+    @property
+    def assistant_header(self) -> list[int]:
+        """Tokens that open the policy's turn."""
+        return [self.special["<assistant>"]]
+
+    def opening(self, prompt: str) -> list[int]:
+        """Tokens of the conversation up to the first policy turn."""
+        return [self.bos, *self.turn("user", prompt)]
+
+    def parse_call(self, tokens: Sequence[int], stopped: int | None) -> tuple[str, str] | None:
+        """``(tool name, arguments)`` of a turn that ended ``<call>name arguments</call>``."""
+        if stopped != self.end_call:
+            return None
+        body = list(tokens[:-1])  # without the stop token
+        idx = max((i for i, t in enumerate(body) if t == self.call), default=-1)
+        name, _, args = self.decode(body[idx + 1 :]).partition(" ")
+        return name, args
 
     def turn(self, role: str, text: str) -> list[int]:
         """Tokens that open a turn of ``role`` and hold ``text`` (for non-policy turns;

@@ -122,7 +122,8 @@ class ProducerConfig:
     limits: EpisodeLimits = field(default_factory=EpisodeLimits)
     #: how tokens are drawn
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    #: the policy's sizes, or a preset's name (tiny, small, base)
+    #: the policy: a preset's name (tiny, small, base), a Hugging Face checkpoint directory
+    #: (Llama, Qwen2, Qwen3: rlstream model init makes one) or the sizes
     model: ModelConfig = field(default_factory=ModelConfig)
     #: when new groups may start
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
@@ -159,7 +160,8 @@ class EvalConfig:
     env_options: Mapping[str, Any] = field(default_factory=dict)
     #: a weights/v<N> folder (None: the initial parameters of model_seed)
     weights: Path | None = None
-    #: the policy's sizes, or a preset's name (tiny, small, base)
+    #: the policy: a preset's name (tiny, small, base), a Hugging Face checkpoint directory
+    #: (Llama, Qwen2, Qwen3: rlstream model init makes one) or the sizes
     model: ModelConfig = field(default_factory=ModelConfig)
     #: seed of the initial parameters
     model_seed: int = ProducerConfig.model_seed

@@ -1,10 +1,15 @@
 """One multi-turn episode, recorded token in, token out.
 
-The conversation is kept as exactly the token sequence the sampler consumed and produced:
+The conversation is kept as exactly the token sequence the sampler consumed and produced,
+laid out by the tokenizer's chat format (:class:`pipeline.policy.tokenizer.ChatFormat`);
+with the built-in byte tokenizer:
 
     <bos> <user> prompt <assistant> policy tokens... (<eos> | </call>)
           <tool> result <assistant> policy tokens... <eos>
           <environment> observation <assistant> ...
+
+and with a checkpoint's own tokenizer, the pieces its chat template writes for the same
+messages (:mod:`pipeline.policy.chat`). Nothing is ever re-tokenized.
 
 Policy tokens carry mask 1, their behaviour log-probability and the policy version that
 sampled them; everything else has mask 0. An exception in the environment (or a reward
@@ -30,7 +35,7 @@ from connectors.base import Environment, Task
 from pipeline.errors import RlstreamError
 from pipeline.observe.telemetry import span, tracer
 from pipeline.policy.server import PolicyServer, TurnResult
-from pipeline.policy.tokenizer import ByteTokenizer
+from pipeline.policy.tokenizer import ChatFormat
 from pipeline.records.trajectory import (
     LOGPROB_DTYPE,
     MASK_DTYPE,
@@ -82,12 +87,12 @@ class _Recorder:
             del seq[n:]
         self.turns = [t for t in self.turns if t.start < n]
 
-    def policy(self, opener: int, r: TurnResult, latency_s: float, tool: str = "") -> None:
+    def policy(self, header: list[int], r: TurnResult, latency_s: float, tool: str = "") -> None:
         start = len(self.tokens)
-        self.tokens.append(opener)
-        self.mask.append(0)
-        self.logprobs.append(0.0)
-        self.versions.append(-1)
+        self.tokens += header
+        self.mask += [0] * len(header)
+        self.logprobs += [0.0] * len(header)
+        self.versions += [-1] * len(header)
         self.tokens += r.tokens
         self.mask += [1] * len(r.tokens)
         self.logprobs += r.logprobs
@@ -111,7 +116,7 @@ async def run_episode(
     member: GroupSlot,
     server: PolicyServer,
     slot: int,
-    tokenizer: ByteTokenizer,
+    tokenizer: ChatFormat,
     limits: EpisodeLimits,
     producer_id: str,
 ) -> Trajectory:
@@ -121,7 +126,7 @@ async def run_episode(
     gen_s = env_s = 0.0
     reward, status = 0.0, "ok"
     rewards: dict[str, float] = {}
-    assistant = tokenizer.special["<assistant>"]
+    header = tokenizer.assistant_header
 
     deadline = time.monotonic() + limits.episode_timeout_s
 
@@ -143,13 +148,11 @@ async def run_episode(
     try:
         t0 = time.perf_counter()
         prompt = await timed(env.reset(member.task), "env_reset")
-        rec.context(
-            "user", [tokenizer.bos, *tokenizer.turn("user", prompt)], time.perf_counter() - t0
-        )
+        rec.context("user", tokenizer.opening(prompt), time.perf_counter() - t0)
         fed = 0  # tokens of rec already handed to the policy
         for turn_index in range(limits.max_policy_turns):
             t0 = time.perf_counter()
-            feed = [*rec.tokens[fed:], assistant]
+            feed = [*rec.tokens[fed:], *header]
             room = server.max_len if turn_index == 0 else server.engine.room(slot)
             if len(feed) >= room:  # not even one token could be sampled after it
                 rec.forget_after(fed)  # the record holds only what the policy saw
@@ -161,9 +164,10 @@ async def run_episode(
                 )
             latency = time.perf_counter() - t0
             gen_s += latency
-            if turn.stopped == tokenizer.end_call:
-                name, _, args = tokenizer.decode(_after(turn.tokens, tokenizer.call)).partition(" ")
-                rec.policy(assistant, turn, latency, name)
+            call = tokenizer.parse_call(turn.tokens, turn.stopped)
+            if call is not None:
+                name, args = call
+                rec.policy(header, turn, latency, name)
                 fed = len(rec.tokens)
                 t0 = time.perf_counter()
                 try:
@@ -172,7 +176,7 @@ async def run_episode(
                     result = f"error: no tool named {name!r}"
                 rec.context("tool", tokenizer.turn("tool", result), time.perf_counter() - t0, name)
                 continue
-            rec.policy(assistant, turn, latency)
+            rec.policy(header, turn, latency)
             fed = len(rec.tokens)
             if turn.stopped is None and server.engine.room(slot) < 1:
                 status = "truncated"
@@ -278,10 +282,3 @@ def failed_trajectory(
         timings=Timings(now, now),
         metadata={"task": member.task.task_id[:200], "error": error[:500]},
     )
-
-
-def _after(tokens: list[int], marker: int) -> list[int]:
-    """Tokens after the last ``marker`` (the tool call's text), without the stop token."""
-    body = tokens[:-1]
-    idx = max((i for i, t in enumerate(body) if t == marker), default=-1)
-    return body[idx + 1 :]

@@ -18,10 +18,10 @@ from typing import Any
 
 from connectors.base import close_shared, make
 from pipeline.policy.config import ModelConfig, SamplingConfig
-from pipeline.policy.model import init_model
+from pipeline.policy.hf_weights import initial_model
 from pipeline.policy.sampler import DecodeEngine
 from pipeline.policy.server import PolicyServer
-from pipeline.policy.tokenizer import ByteTokenizer
+from pipeline.policy.tokenizer import tokenizer_for
 from pipeline.rollout.config import EpisodeLimits
 from pipeline.rollout.episode import GroupSlot, run_episode
 
@@ -67,13 +67,13 @@ def evaluate(
     """Play ``episodes`` held-out episodes with ``params`` (an ``nnx.State`` of parameters,
     e.g. from :func:`pipeline.policy.checkpoint.restore_params`), or with the initial parameters
     of ``model_seed`` when ``params`` is None."""
-    tokenizer = ByteTokenizer()
-    engine = DecodeEngine(init_model(model, model_seed), min(concurrency, episodes), sampling)
+    tokenizer = tokenizer_for(model.path)
+    engine = DecodeEngine(initial_model(model, model_seed), min(concurrency, episodes), sampling)
     if params is not None:
         engine.swap(params, version)
     server = PolicyServer(
         engine,
-        {tokenizer.eos, tokenizer.end_call},
+        tokenizer.stop_tokens,
         stop_sequences=tuple(tuple(tokenizer.encode(s)) for s in stop_sequences),
     )
     limits = limits or EpisodeLimits()

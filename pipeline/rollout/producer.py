@@ -30,10 +30,10 @@ from pipeline.kafka.topics import rollout_topic
 from pipeline.kafka.transport import TrajectoryWriter
 from pipeline.kafka.weights import WeightsSubscriber
 from pipeline.observe.prometheus import Sample
-from pipeline.policy.model import init_model
+from pipeline.policy.hf_weights import initial_model
 from pipeline.policy.sampler import DecodeEngine
 from pipeline.policy.server import PolicyServer
-from pipeline.policy.tokenizer import ByteTokenizer
+from pipeline.policy.tokenizer import tokenizer_for
 from pipeline.rollout.admission import Heartbeats, LagMonitor, decide
 from pipeline.rollout.config import ProducerConfig
 from pipeline.rollout.episode import GroupSlot, failed_trajectory, run_episode
@@ -73,14 +73,14 @@ class RolloutProducer:
     ) -> None:
         self.cfg = cfg
         self.kafka = kafka
-        self.tokenizer = ByteTokenizer()
+        self.tokenizer = tokenizer_for(cfg.model.path)
         if cfg.model.vocab_size < self.tokenizer.vocab_size:
             raise InvalidConfigError("model vocabulary is smaller than the tokenizer's")
-        model = init_model(cfg.model, cfg.model_seed)
+        model = initial_model(cfg.model, cfg.model_seed)
         self.engine = DecodeEngine(model, cfg.concurrency, cfg.sampling)
         self.server = PolicyServer(
             self.engine,
-            {self.tokenizer.eos, self.tokenizer.end_call},
+            self.tokenizer.stop_tokens,
             stop_sequences=tuple(tuple(self.tokenizer.encode(s)) for s in cfg.stop_sequences),
         )
         self.writer = TrajectoryWriter(kafka, cfg.namespace)

@@ -131,7 +131,8 @@ class TrainerConfig:
     metrics_port: int | None = None
     #: address the metrics port binds (0.0.0.0 for a Prometheus on another host)
     metrics_host: str = "127.0.0.1"
-    #: the policy's sizes, or a preset's name (tiny, small, base)
+    #: the policy: a preset's name (tiny, small, base), a Hugging Face checkpoint directory
+    #: (Llama, Qwen2, Qwen3: rlstream model init makes one) or the sizes
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     #: the loss and the optimiser
     grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)

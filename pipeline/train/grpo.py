@@ -22,6 +22,7 @@ acts from the second update on.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from pipeline.policy.model import Transformer, finite_leaves, token_logprobs_and_entropy
+from pipeline.policy.model import Transformer, token_logprobs_and_entropy
 from pipeline.train.config import GRPOConfig
 
 #: log-ratios above this are capped before exp (exp(20) ~ 5e8, far past any clip range)
@@ -84,8 +85,12 @@ def _aggregate(per_token: jax.Array, mask: jax.Array, how: str) -> jax.Array:
     return jnp.sum(summed * rows) / jnp.maximum(jnp.sum(rows), 1.0)
 
 
-def make_train_step(graphdef: Any, cfg: GRPOConfig, tx: optax.GradientTransformation) -> Any:
-    """The jitted ``train_step(state, batch) -> (state, metrics)``."""
+def make_train_step(
+    graphdef: Any, cfg: GRPOConfig, tx: optax.GradientTransformation, donate: bool = False
+) -> Any:
+    """The jitted ``train_step(state, batch) -> (state, metrics)``. With ``donate`` the
+    state passed in is consumed (its buffers hold the new one), so a step needs memory
+    for one state, not two; the caller must not use it again."""
 
     def loss_fn(
         params: Any, mb: Batch, prox: jax.Array | None, ref: jax.Array | None
@@ -127,7 +132,7 @@ def make_train_step(graphdef: Any, cfg: GRPOConfig, tx: optax.GradientTransforma
         }
         return loss, metrics
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=(0,) if donate else ())
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         # Forward passes only where they are needed: with one update per step the
         # proximal log-probabilities are the update's own (computed in the loss), and
@@ -138,6 +143,8 @@ def make_train_step(graphdef: Any, cfg: GRPOConfig, tx: optax.GradientTransforma
                 _logprobs_and_entropy(graphdef, state.params, batch.tokens)[0]
             )
         if cfg.kl_coef:
+            if state.reference is None:
+                raise ValueError("a KL term needs a state made with a reference policy")
             ref = _logprobs_and_entropy(graphdef, state.reference, batch.tokens)[0]
         m = cfg.minibatches
         split = jax.tree.map(
@@ -147,26 +154,44 @@ def make_train_step(graphdef: Any, cfg: GRPOConfig, tx: optax.GradientTransforma
         def update(carry: tuple[Any, Any], mb: Any) -> tuple[tuple[Any, Any], Any]:
             params, opt_state = carry
             (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, *mb)
-            updates, opt_state = tx.update(grads, opt_state, params)
             metrics["grad_norm"] = optax.tree.norm(grads)
-            return (optax.apply_updates(params, updates), opt_state), metrics
+            ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+
+            def apply(args: tuple[Any, Any, Any]) -> tuple[Any, Any]:
+                params, opt_state, grads = args
+                updates, opt_state = tx.update(grads, opt_state, params)
+                return optax.apply_updates(params, updates), opt_state
+
+            # an update whose loss or gradients are not finite is not made (decided before
+            # the optimizer runs, so no second copy of the state is needed to undo it)
+            carry = jax.lax.cond(ok, apply, lambda a: (a[0], a[1]), (params, opt_state, grads))
+            metrics["finite"] = ok
+            return carry, metrics
 
         (params, opt_state), metrics = jax.lax.scan(update, (state.params, state.opt_state), split)
-        # A step whose loss, gradients or new parameters are not all finite is not
-        # applied: the state is returned unchanged and ``applied`` says so.
-        applied = jnp.logical_and(
-            jnp.all(jnp.isfinite(metrics["loss"])) & jnp.all(jnp.isfinite(metrics["grad_norm"])),
-            finite_leaves(params),
-        )
+        applied = jnp.all(metrics.pop("finite"))
         metrics = jax.tree.map(jnp.mean, metrics)
         metrics["applied"] = applied.astype(jnp.float32)
-        new = TrainState(params, opt_state, state.step + 1, state.reference)
-        return jax.tree.map(lambda a, b: jnp.where(applied, a, b), new, state), metrics
+        step = state.step + applied.astype(state.step.dtype)
+        if m > 1:
+            # all or nothing: minibatches before a non-finite one are undone too (this
+            # keeps the step's starting state alive, twice the memory of one update)
+            params, opt_state = jax.tree.map(
+                lambda a, b: jnp.where(applied, a, b),
+                (params, opt_state),
+                (state.params, state.opt_state),
+            )
+        return TrainState(params, opt_state, step, state.reference), metrics
 
     return train_step
 
 
-def init_state(model: Transformer, tx: optax.GradientTransformation) -> tuple[Any, TrainState]:
-    """The model's graph definition and a fresh training state (reference = initial)."""
+def init_state(
+    model: Transformer, tx: optax.GradientTransformation, reference: bool = True
+) -> tuple[Any, TrainState]:
+    """The model's graph definition and a fresh training state; with ``reference`` the
+    initial parameters are kept as the KL term's reference (a second copy of the model
+    once training moves them, so leave it out when there is no KL term)."""
     graphdef, params = nnx.split(model)
-    return graphdef, TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), params)
+    ref = params if reference else None
+    return graphdef, TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), ref)

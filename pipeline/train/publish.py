@@ -15,7 +15,6 @@ from typing import Any
 
 from pipeline.kafka.weights import announce, announcement
 from pipeline.policy.checkpoint import save_params
-from pipeline.policy.tokenizer import TOKENIZER_ID
 from pipeline.train.config import TrainerConfig
 
 log = logging.getLogger(__name__)
@@ -25,9 +24,10 @@ class WeightsPublisher:
     """Saves ``weights/v<N>`` under the run directory and announces it with ``producer``
     (None: saved only, as when training from a recording)."""
 
-    def __init__(self, cfg: TrainerConfig, producer: Any) -> None:
+    def __init__(self, cfg: TrainerConfig, producer: Any, tokenizer_id: str) -> None:
         self.cfg = cfg
         self.producer = producer
+        self.tokenizer_id = tokenizer_id
 
     def publish(self, version: int, step: int, model: Callable[[], Any], m: dict[str, Any]) -> Path:
         """Version ``version`` of the policy (``model()`` builds it, only if its
@@ -44,7 +44,7 @@ class WeightsPublisher:
 
     def _announce(self, path: Path, version: int, step: int, metrics: dict[str, float]) -> None:
         record = announcement(
-            version, step, path, self.cfg.model, TOKENIZER_ID, self.cfg.trainer_id, metrics
+            version, step, path, self.cfg.model, self.tokenizer_id, self.cfg.trainer_id, metrics
         )
         try:
             announce(self.producer, self.cfg.namespace, record, timeout=self.cfg.announce_timeout_s)

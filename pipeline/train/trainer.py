@@ -27,6 +27,7 @@ from typing import Any
 
 import confluent_kafka
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
@@ -38,8 +39,9 @@ from pipeline.kafka.transport import Coordinates
 from pipeline.observe.prometheus import Sample
 from pipeline.observe.telemetry import metric, span
 from pipeline.observe.tensorboard import ScalarWriter, flatten
-from pipeline.policy.model import all_finite, init_model
-from pipeline.policy.tokenizer import TOKENIZER_ID, ByteTokenizer
+from pipeline.policy.hf_weights import initial_model
+from pipeline.policy.model import all_finite
+from pipeline.policy.tokenizer import tokenizer_for
 from pipeline.records.ledger import Ledger
 from pipeline.train.batching import GroupBuffer, GroupQueue, Refused, assemble, bucket_for
 from pipeline.train.config import TrainerConfig
@@ -72,8 +74,13 @@ class Trainer:
         self.stop_event = threading.Event()
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         self.tx = cfg.grpo.optimizer()
-        self.graphdef, self.state = init_state(init_model(cfg.model, cfg.seed), self.tx)
-        self.train_step = make_train_step(self.graphdef, cfg.grpo, self.tx)
+        self.tokenizer = tokenizer_for(cfg.model.path)
+        self.graphdef, self.state = init_state(
+            initial_model(cfg.model, cfg.seed, training=True),
+            self.tx,
+            reference=cfg.grpo.kl_coef > 0,
+        )
+        self.train_step = make_train_step(self.graphdef, cfg.grpo, self.tx, donate=True)
         self.ledger = Ledger(cfg.run_dir / "ledger.jsonl")
         self.metrics_path = cfg.run_dir / "metrics.jsonl"
         self.scalars = ScalarWriter(cfg.run_dir / "tensorboard")  # the same rows, for TensorBoard
@@ -88,11 +95,11 @@ class Trainer:
         self.nonfinite_steps = 0  # steps not applied (non-finite loss or gradient)
         self.nonfinite_in_a_row = 0
         contract = RecordContract(
-            min(ByteTokenizer().vocab_size, cfg.model.vocab_size),
+            min(self.tokenizer.vocab_size, cfg.model.vocab_size),
             cfg.max_abs_reward,
             cfg.min_logprob,
         )
-        self.judge = RecordJudge(contract, TOKENIZER_ID, cfg.max_record_bytes)
+        self.judge = RecordJudge(contract, self.tokenizer.id, cfg.max_record_bytes)
         self.commit_failures = 0
         self.trained = 0  # samples trained by this process
         self.last_metrics: dict[str, Any] = {}  # the latest step's metrics row
@@ -112,7 +119,9 @@ class Trainer:
             self.consumer.subscribe([], on_assign=self._on_assign, on_revoke=self._on_revoke)
             self.producer: Any = None
             self.dead_letters = DeadLetters(None, cfg.namespace, cfg.trainer_id)
-            self.publisher = WeightsPublisher(cfg, None)  # saved, never announced
+            self.publisher = WeightsPublisher(
+                cfg, None, self.tokenizer.id
+            )  # saved, never announced
             return
         if kafka is None:
             raise InvalidConfigError("a trainer needs a Kafka cluster or a recording")
@@ -129,7 +138,7 @@ class Trainer:
         self.consumer.subscribe([pattern], on_assign=self._on_assign, on_revoke=self._on_revoke)
         self.producer = kafka.producer()
         self.dead_letters = DeadLetters(self.producer, cfg.namespace, cfg.trainer_id)
-        self.publisher = WeightsPublisher(cfg, self.producer)
+        self.publisher = WeightsPublisher(cfg, self.producer, self.tokenizer.id)
 
     @property
     def deadlettered(self) -> int:
@@ -254,7 +263,9 @@ class Trainer:
                 np.zeros(r, np.float32),
                 np.zeros(r, np.float32),
             )
-            jax.block_until_ready(self.train_step(self.state, empty))
+            # the step consumes the state it is given: compile on a copy
+            copy = jax.tree.map(jnp.copy, self.state)
+            jax.block_until_ready(self.train_step(copy, empty))
 
     def _intake(self, m: Any) -> None:
         err = m.error()

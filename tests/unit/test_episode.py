@@ -154,6 +154,40 @@ def test_tool_call_result_goes_back_as_an_observation() -> None:
     assert TOK.decode(t.tokens.tolist(), specials=True).endswith("<assistant>42<eos>")
 
 
+def test_a_checkpoints_chat_template_lays_out_the_episode(tmp_path: Any) -> None:
+    """With a Hugging Face checkpoint's tokenizer, the episode's tokens are the chat
+    template's rendering of the whole conversation, the tool call is the template's own
+    format, and the policy tokens are exactly what the policy sampled."""
+    from pipeline.policy.chat import ChatTokenizer
+    from pipeline.policy.hf_init import init_checkpoint
+
+    tok = ChatTokenizer.load(init_checkpoint(tmp_path / "qwen2", "qwen2"))
+    (end,) = tok.encode("<|im_end|>")
+    call_text = '<tool_call>\n{"name": "calc", "arguments": {"expression": "6*7"}}\n</tool_call>'
+    call = [*tok.encode(call_text), end]
+    answer = [*tok.encode("42"), end]
+    policy = ScriptedPolicy([call, answer], tok)
+    task = Task("calc-6*7+0", {"expression": "6*7+0", "answer": 42})
+    t = asyncio.run(
+        run_episode(make("calc"), member(task=task), policy, 0, tok, EpisodeLimits(8), "p")  # type: ignore[arg-type]
+    )
+    assert t.status == "ok" and t.reward == 1.0 and t.tokenizer_id == tok.id
+    prompt = tok.decode(t.tokens[: t.turns[0].end].tolist(), specials=True)
+    messages = [
+        {"role": "user", "content": prompt.split("\n", 1)[1].removesuffix("<|im_end|>\n")},
+        {"role": "assistant", "content": call_text},
+        {"role": "tool", "content": "42"},
+        {"role": "assistant", "content": "42"},
+    ]
+    rendered = tok.encode(tok.render(messages))
+    assert t.tokens.tolist() == rendered[: len(t.tokens)]
+    assert tok.decode(rendered[len(t.tokens) :], specials=True) == "\n"  # after the last turn
+    assert next(turn for turn in t.turns if turn.role == "tool").tool_name == "calc"
+    assert policy.fed[1] == [*tok.turn("tool", "42"), *tok.assistant_header]
+    policy_tokens = t.tokens[np.flatnonzero(t.loss_mask)].tolist()
+    assert policy_tokens == call + answer
+
+
 def test_unknown_tool_is_reported_to_the_agent() -> None:
     policy = ScriptedPolicy(
         [[TOK.call, *TOK.encode("rm -rf"), TOK.end_call], [*TOK.encode("1"), TOK.eos]]

@@ -1,0 +1,82 @@
+"""``rlstream model``: make, inspect and export Hugging Face checkpoints.
+
+- ``model init --family llama|qwen2|qwen3 --preset tiny|0.5b-shape -o DIR``: a randomly
+  initialized checkpoint with a tokenizer trained on the fly (no download);
+- ``model inspect DIR``: what rlstream reads from a checkpoint, or why it refuses it;
+- ``model export WEIGHTS_DIR -o DIR``: a trainer's weights (``weights/vN`` or a
+  checkpoint) as a Hugging Face directory that transformers, vLLM or SGLang load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("model", help="make, inspect and export Hugging Face checkpoints")
+    actions = p.add_subparsers(dest="action", required=True)
+    init = actions.add_parser(
+        "init",
+        help="write a randomly initialized Hugging Face checkpoint with its own tokenizer",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    init.add_argument("--family", choices=["llama", "qwen2", "qwen3"], default="qwen2")
+    init.add_argument("--preset", choices=["tiny", "0.5b-shape"], default="tiny")
+    init.add_argument("--seed", type=int, default=0)
+    init.add_argument("-o", "--output", type=Path, required=True)
+    init.set_defaults(func=cmd_init)
+    inspect = actions.add_parser("inspect", help="what rlstream reads from a checkpoint")
+    inspect.add_argument("directory", type=Path)
+    inspect.set_defaults(func=cmd_inspect)
+    export = actions.add_parser(
+        "export", help="write a trainer's weights as a Hugging Face checkpoint"
+    )
+    export.add_argument("weights", type=Path, help="weights/vN of a run, or a checkpoint")
+    export.add_argument("-o", "--output", type=Path, required=True)
+    export.set_defaults(func=cmd_export)
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    from pipeline.policy.hf_init import init_checkpoint
+
+    out = init_checkpoint(args.output, args.family, args.preset, args.seed)
+    print(f"wrote a random {args.family} ({args.preset}) checkpoint to {out}")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from pipeline.policy.chat import ChatTokenizer
+    from pipeline.policy.hf_config import read_model_config
+    from pipeline.policy.hf_weights import check_checkpoint, estimate_bytes
+
+    cfg = read_model_config(args.directory)
+    check_checkpoint(cfg)
+    tok = ChatTokenizer.load(args.directory)
+    info = {
+        "model": json.loads(cfg.to_json()),
+        "parameters": cfg.num_params(),
+        "train_bytes": estimate_bytes(cfg, training=True),
+        "tokenizer_id": tok.id,
+        "tokenizer_vocab": tok.vocab_size,
+        "stop_tokens": sorted(tok.stop_tokens),
+    }
+    print(json.dumps(info, indent=2))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from pipeline.errors import InvalidConfigError
+    from pipeline.policy.checkpoint import restore_params, saved_model_config
+    from pipeline.policy.hf_weights import export
+
+    try:
+        cfg = saved_model_config(args.weights)
+    except ValueError as e:
+        raise InvalidConfigError(str(e)) from None
+    params = restore_params(args.weights, cfg)
+    out = export(cfg, params, args.output)
+    print(f"wrote {cfg.family} weights of {args.weights} to {out}")
+    return 0

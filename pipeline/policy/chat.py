@@ -1,0 +1,258 @@
+"""A Hugging Face checkpoint's own tokenizer and chat template, token in and token out.
+
+The tokenizer is ``tokenizer.json`` read by the ``tokenizers`` library; the chat template
+comes from ``tokenizer_config.json`` or ``chat_template.jinja`` (where transformers 5 keeps
+it) and is rendered with Jinja2 the way transformers renders it (sandboxed, trimmed blocks,
+``tojson``, ``raise_exception``, ``strftime_now``).
+
+An episode never re-tokenizes its history. Each piece it appends is the template's text
+for that piece alone, found by rendering a fixed conversation with and without it:
+
+- the opening: the whole rendering of ``[user prompt]`` (system prompt, begin token);
+- the policy's header: what ``add_generation_prompt`` adds;
+- a tool result or an observation: what rendering one more message adds after the end
+  of the policy's turn (so the separator the template writes after the end-of-turn token,
+  such as ChatML's newline, is appended as context, not sampled).
+
+:meth:`ChatTokenizer.load` checks that the template is prefix-stable (a longer
+conversation's rendering begins with a shorter one's) and refuses one that is not; the
+tests show, for each template rlstream ships, that the appended pieces are the tokens of
+the whole conversation rendered at once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+from tokenizers import Tokenizer
+
+from pipeline.errors import InvalidConfigError
+from pipeline.policy.hf_format import load_json
+
+_PROBE_USER, _PROBE_REPLY = "U", "X"
+
+
+def _raise(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: Any = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def compile_template(source: str) -> jinja2.Template:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateError as e:
+        raise InvalidConfigError(f"the chat template does not compile: {e}") from None
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class ChatTokenizer:
+    """The tokenizer and chat template of a Hugging Face checkpoint directory."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        template: str,
+        specials: dict[str, str],
+        eos_ids: Sequence[int],
+        digest: str,
+    ) -> None:
+        self.tok = tokenizer
+        self.template_source = template
+        self.template = compile_template(template)
+        self.specials = specials
+        self.id = digest
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.stop_tokens = set(eos_ids)
+        if not self.stop_tokens:
+            raise InvalidConfigError("the tokenizer names no end-of-turn token (eos_token)")
+        #: ids of the tool-call markers, when the vocabulary has them as single tokens
+        self.call = tokenizer.token_to_id("<tool_call>")
+        self.end_call = tokenizer.token_to_id("</tool_call>")
+        self._probe()
+
+    # ---- loading -------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, directory: Path) -> ChatTokenizer:
+        """The tokenizer of ``directory``; InvalidConfigError (one sentence) when it has
+        none, no chat template, or a template rlstream cannot append to."""
+        tj = directory / "tokenizer.json"
+        if not tj.is_file():
+            raise InvalidConfigError(f"{directory} has no tokenizer.json")
+        try:
+            tokenizer = Tokenizer.from_file(str(tj))
+        except Exception as e:  # the library raises its own exception types
+            raise InvalidConfigError(f"{tj} is not a tokenizer: {str(e)[:200]}") from None
+        cfg_file = directory / "tokenizer_config.json"
+        config = load_json(cfg_file, "tokenizer configuration") if cfg_file.is_file() else {}
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: the default one
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        jinja = directory / "chat_template.jinja"
+        if template is None and jinja.is_file():
+            template = jinja.read_text(encoding="utf-8", errors="replace")
+        if not isinstance(template, str) or not template.strip():
+            raise InvalidConfigError(
+                f"{directory} has no chat template (tokenizer_config.json chat_template or "
+                "chat_template.jinja): rlstream cannot lay out a conversation without one"
+            )
+        specials = {
+            k: v
+            for k in ("bos_token", "eos_token", "pad_token", "unk_token")
+            if (v := _token_text(config.get(k))) is not None
+        }
+        eos_ids = _eos_ids(directory, tokenizer, specials)
+        h = hashlib.sha256()
+        for part in (
+            tj.read_bytes(),
+            template.encode(),
+            json.dumps(specials, sort_keys=True).encode(),
+        ):
+            h.update(hashlib.sha256(part).digest())
+        return cls(tokenizer, template, specials, eos_ids, "hf-sha256:" + h.hexdigest()[:32])
+
+    # ---- text ----------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int], *, specials: bool = False) -> str:
+        return str(self.tok.decode(list(ids), skip_special_tokens=not specials))
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        try:
+            return str(
+                self.template.render(
+                    messages=messages,
+                    tools=tools,
+                    add_generation_prompt=add_generation_prompt,
+                    **self.specials,
+                )
+            )
+        except jinja2.exceptions.TemplateError as e:
+            raise InvalidConfigError(f"the chat template fails: {e}") from None
+
+    # ---- the pieces an episode appends ----------------------------------------------------
+
+    def _probe(self) -> None:
+        user = [{"role": "user", "content": _PROBE_USER}]
+        history = [*user, {"role": "assistant", "content": _PROBE_REPLY}]
+        opened, prompted = self.render(user), self.render(user, add_generation_prompt=True)
+        if not prompted.startswith(opened):
+            raise InvalidConfigError(
+                "the chat template is not prefix-stable: its generation prompt rewrites the "
+                "conversation before it"
+            )
+        self._header = prompted[len(opened) :]
+        whole = self.render(history)
+        reply_at = whole.find(_PROBE_REPLY, len(opened))
+        ends = [
+            (at, t)
+            for t in (self.decode([i], specials=True) for i in self.stop_tokens)
+            if (at := whole.find(t, reply_at)) >= 0
+        ]
+        if not whole.startswith(prompted) or reply_at < 0 or not ends:
+            raise InvalidConfigError(
+                "the chat template is not prefix-stable: a reply does not follow the "
+                "generation prompt and end with the end-of-turn token"
+            )
+        at, end = min(ends)
+        self._history = history
+        self._cut = at + len(end)  # the policy's turn ends here, after its end token
+
+    @property
+    def assistant_header(self) -> list[int]:
+        """Tokens that open the policy's turn (the generation prompt)."""
+        return self.encode(self._header)
+
+    def opening(self, prompt: str) -> list[int]:
+        """Tokens of the conversation up to the first policy turn: begin token, system
+        prompt and the user's ``prompt``, as the template lays them out."""
+        return self.encode(self.render([{"role": "user", "content": prompt}]))
+
+    def turn(self, role: str, text: str) -> list[int]:
+        """Tokens of one more message (``tool`` for a tool's result, ``environment`` for
+        an observation, given to the template as ``user``) after the policy's turn,
+        including what the template writes between that turn's end token and it."""
+        message = {"role": "tool" if role == "tool" else "user", "content": text}
+        whole = self.render([*self._history, message])
+        if whole[: self._cut] != self.render(self._history)[: self._cut]:
+            raise InvalidConfigError(f"the chat template rewrites the history when a {role} speaks")
+        return self.encode(whole[self._cut :])
+
+    def parse_call(self, tokens: Sequence[int], stopped: int | None) -> tuple[str, str] | None:
+        """``(tool name, arguments)`` when the policy's turn is a tool call in the
+        template's format (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, or a
+        bare JSON object with ``name`` and ``arguments`` or ``parameters``); arguments with
+        a single value are passed as that value, others as JSON."""
+        text = self.decode(tokens)
+        start = text.find("<tool_call>")
+        if start >= 0:
+            end = text.find("</tool_call>", start)
+            text = text[start + len("<tool_call>") : end if end >= 0 else None]
+        text = text.strip()
+        if not text.startswith("{"):
+            return None
+        try:
+            call = json.loads(text)
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return None
+        args = call.get("arguments", call.get("parameters", ""))
+        if isinstance(args, dict) and len(args) == 1:
+            args = next(iter(args.values()))
+        return call["name"], args if isinstance(args, str) else json.dumps(args)
+
+
+def _eos_ids(directory: Path, tokenizer: Tokenizer, specials: dict[str, str]) -> list[int]:
+    """End-of-turn ids: ``generation_config.json``'s ``eos_token_id`` (one or a list), and
+    the tokenizer configuration's ``eos_token``."""
+    ids: list[int] = []
+    gen = directory / "generation_config.json"
+    if gen.is_file():
+        value = load_json(gen, "generation configuration").get("eos_token_id")
+        for i in value if isinstance(value, list) else [value]:
+            if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**31:
+                ids.append(i)
+    if "eos_token" in specials:
+        eos = tokenizer.token_to_id(specials["eos_token"])
+        if eos is not None:
+            ids.append(eos)
+    return sorted(set(ids))
