@@ -29,6 +29,7 @@ def register(sub: Any) -> None:
             "telemetry",
             "producers",
             "model",
+            "scale",
         ],
     )
     p.add_argument(
@@ -99,6 +100,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         model,
         producers,
         rollout,
+        scale,
         telemetry,
         trainer,
         transport,
@@ -115,6 +117,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "telemetry": telemetry.run,
         "producers": producers.run,
         "model": model.run,
+        "scale": scale.run,
     }
     result = benches[args.which](args, cluster(args))
     print_result(args, result, format_bench(result))

@@ -62,9 +62,15 @@ def abstract_params(cfg: ModelConfig) -> Any:
 @_io_retry
 def restore_params(path: Path, cfg: ModelConfig) -> Any:
     """Parameters saved by :func:`save_params`, as an ``nnx.State`` for a model of ``cfg``
-    (shapes are checked against it)."""
+    (shapes are checked against it), on this process's first device whatever devices
+    they were saved from."""
     target = abstract_params(cfg)
-    pure = nnx.to_pure_dict(target)
+    # onto this process's first device, whatever mesh the checkpoint was saved from
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    pure = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+        nnx.to_pure_dict(target),
+    )
     with ocp.StandardCheckpointer() as ckptr:
         restored = ckptr.restore(path.absolute(), pure)
     nnx.replace_by_pure_dict(target, restored)

@@ -131,6 +131,12 @@ class TrainerConfig:
     metrics_port: int | None = None
     #: address the metrics port binds (0.0.0.0 for a Prometheus on another host)
     metrics_host: str = "127.0.0.1"
+    #: devices of the trainer's mesh along its fsdp axis: batch rows and every weight
+    #: matrix split over them (0: all the devices the tensor axis leaves)
+    fsdp: int = 1
+    #: devices along the tensor axis: attention heads, feed-forward width and vocabulary
+    #: split over them
+    tensor_parallel: int = 1
     #: the policy: a preset's name (tiny, small, base), a Hugging Face checkpoint directory
     #: (Llama, Qwen2, Qwen3: rlstream model init makes one) or the sizes
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -145,6 +151,16 @@ class TrainerConfig:
             )
         if (self.groups_per_batch * self.group_size) % self.grpo.minibatches:
             raise InvalidConfigError("batch rows must divide evenly into minibatches")
+        if self.fsdp < 0 or self.tensor_parallel < 1:
+            raise InvalidConfigError(
+                f"fsdp must be >= 0 and tensor_parallel >= 1, got {self.fsdp}, "
+                f"{self.tensor_parallel}"
+            )
+        if self.fsdp and (self.rows // self.grpo.minibatches) % self.fsdp:
+            raise InvalidConfigError(
+                f"a minibatch of {self.rows // self.grpo.minibatches} rows does not split "
+                f"over fsdp={self.fsdp} devices"
+            )
 
     @property
     def rows(self) -> int:

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from pipeline.policy.model import Transformer, token_logprobs_and_entropy
 from pipeline.train.config import GRPOConfig
@@ -86,11 +87,22 @@ def _aggregate(per_token: jax.Array, mask: jax.Array, how: str) -> jax.Array:
 
 
 def make_train_step(
-    graphdef: Any, cfg: GRPOConfig, tx: optax.GradientTransformation, donate: bool = False
+    graphdef: Any,
+    cfg: GRPOConfig,
+    tx: optax.GradientTransformation,
+    donate: bool = False,
+    shardings: tuple[Any, Any] | None = None,
 ) -> Any:
     """The jitted ``train_step(state, batch) -> (state, metrics)``. With ``donate`` the
     state passed in is consumed (its buffers hold the new one), so a step needs memory
-    for one state, not two; the caller must not use it again."""
+    for one state, not two; the caller must not use it again. ``shardings`` (the
+    state's and the batch's, :mod:`pipeline.train.mesh`) make it one SPMD step over a
+    device mesh, the state keeping its layout from step to step."""
+    jit_args: dict[str, Any] = {"donate_argnums": (0,) if donate else ()}
+    if shardings is not None:
+        state_sh, batch_sh = shardings
+        replicated = NamedSharding(batch_sh.mesh, PartitionSpec())
+        jit_args |= {"in_shardings": (state_sh, batch_sh), "out_shardings": (state_sh, replicated)}
 
     def loss_fn(
         params: Any, mb: Batch, prox: jax.Array | None, ref: jax.Array | None
@@ -132,7 +144,7 @@ def make_train_step(
         }
         return loss, metrics
 
-    @functools.partial(jax.jit, donate_argnums=(0,) if donate else ())
+    @functools.partial(jax.jit, **jit_args)
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         # Forward passes only where they are needed: with one update per step the
         # proximal log-probabilities are the update's own (computed in the loss), and

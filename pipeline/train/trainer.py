@@ -48,6 +48,7 @@ from pipeline.train.config import TrainerConfig
 from pipeline.train.contract import RecordContract
 from pipeline.train.grpo import init_state, make_train_step
 from pipeline.train.intake import DeadLetters, RecordJudge
+from pipeline.train.mesh import batch_sharding, make_mesh, state_shardings
 from pipeline.train.positions import PositionTracker
 from pipeline.train.publish import WeightsPublisher
 from pipeline.train.samples import trainer_samples
@@ -75,12 +76,22 @@ class Trainer:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         self.tx = cfg.grpo.optimizer()
         self.tokenizer = tokenizer_for(cfg.model.path)
-        self.graphdef, self.state = init_state(
+        self.mesh = make_mesh(cfg.fsdp, cfg.tensor_parallel)
+        self.graphdef, state = init_state(
             initial_model(cfg.model, cfg.seed, training=True),
             self.tx,
             reference=cfg.grpo.kl_coef > 0,
         )
-        self.train_step = make_train_step(self.graphdef, cfg.grpo, self.tx, donate=True)
+        shardings = state_shardings(state, self.mesh)
+        self.state = jax.device_put(state, shardings)
+        del state
+        self.train_step = make_train_step(
+            self.graphdef,
+            cfg.grpo,
+            self.tx,
+            donate=True,
+            shardings=(shardings, batch_sharding(self.mesh)),
+        )
         self.ledger = Ledger(cfg.run_dir / "ledger.jsonl")
         self.metrics_path = cfg.run_dir / "metrics.jsonl"
         self.scalars = ScalarWriter(cfg.run_dir / "tensorboard")  # the same rows, for TensorBoard

@@ -5,6 +5,7 @@ with bit-identical results."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -198,3 +199,47 @@ def test_training_from_a_recording_twice_gives_identical_parameters(
     assert len(leaves_a) == len(leaves_b) > 0
     for x, y in zip(leaves_a, leaves_b, strict=True):
         assert np.array_equal(np.asarray(x), np.asarray(y))  # bit-identical
+
+
+def test_training_a_recording_on_a_mesh_of_four_devices_matches_one_device(
+    recorded: tuple[Path, list[str]], namespace: str, tmp_path: Path
+) -> None:
+    """The same recording trained by one trainer on one device and by one on a 2x2 mesh
+    (fsdp x tensor, four host devices in a child process): the same records in the same
+    order, and parameters within 1e-5 after six steps."""
+    path, _ = recorded
+    one = trainer_config(namespace, tmp_path / "one", max_steps=None, seed=3, max_staleness=99)
+    assert Trainer(one, None, source=RecordingSource(path)).run() == 6
+    child = f"""
+import sys
+from pathlib import Path
+from pipeline.kafka.replay import RecordingSource
+from pipeline.train.trainer import Trainer
+from tests.integration.test_trainer import trainer_config
+cfg = trainer_config({namespace!r}, Path({str(tmp_path / "mesh")!r}), max_steps=None, seed=3,
+                     max_staleness=99, fsdp=2, tensor_parallel=2)
+trainer = Trainer(cfg, None, source=RecordingSource(Path({str(path)!r})))
+assert len(trainer.mesh.devices.flat) == 4
+sys.exit(0 if trainer.run() == 6 else 1)
+"""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    out = subprocess.run(
+        [sys.executable, "-c", child],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    trained = []
+    for run in ("one", "mesh"):
+        ledger = (tmp_path / run / "ledger.jsonl").read_text().splitlines()
+        trained.append([x[0] for e in map(json.loads, ledger) for x in e["trained"]])
+    assert trained[0] == trained[1]
+    a = jax.tree.leaves(restore_params(tmp_path / "one" / "weights" / "v6", CFG))
+    b = jax.tree.leaves(restore_params(tmp_path / "mesh" / "weights" / "v6", CFG))
+    diff = max(
+        float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a, b, strict=True)
+    )
+    assert diff <= 1e-5, diff
