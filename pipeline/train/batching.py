@@ -21,6 +21,8 @@ import numpy as np
 
 from pipeline.kafka.transport import Coordinates
 from pipeline.records.trajectory import Trajectory
+from pipeline.train.advantages import advantages, overlong_penalty
+from pipeline.train.config import GRPOConfig
 from pipeline.train.grpo import Batch
 
 
@@ -154,11 +156,28 @@ def bucket_for(length: int, buckets: Sequence[int]) -> int | None:
     return next((b for b in sorted(buckets) if length <= b), None)
 
 
+def group_rewards(g: Group, grpo: GRPOConfig) -> np.ndarray:
+    """The rewards of a group's members in index order, with DAPO's overlong shaping
+    when configured."""
+    out = []
+    for i in sorted(g.members):
+        t = g.members[i].trajectory
+        shaping = overlong_penalty(
+            int(t.loss_mask.sum()),
+            grpo.overlong_max_tokens,
+            grpo.overlong_buffer,
+            grpo.overlong_penalty,
+        )
+        out.append(float(t.reward) + shaping)
+    return np.asarray(out, np.float64)
+
+
 def assemble(
-    groups: Sequence[Group], rows: int, buckets: Sequence[int], eps: float = 1e-6
+    groups: Sequence[Group], rows: int, buckets: Sequence[int], grpo: GRPOConfig | None = None
 ) -> tuple[Batch, list[Member]]:
     """A batch of exactly ``rows`` rows (padding rows have ``valid`` 0) and the members in
-    row order. Advantages are group-normalised rewards."""
+    row order, with each group's advantages (:mod:`pipeline.train.advantages`)."""
+    grpo = grpo or GRPOConfig()
     members = [m for g in groups for m in (g.members[i] for i in sorted(g.members))]
     longest = max(m.trajectory.num_tokens for m in members)
     t = bucket_for(longest, buckets)
@@ -171,9 +190,7 @@ def assemble(
     valid = np.zeros(rows, np.float32)
     r = 0
     for g in groups:
-        # float64 and bounded rewards (the trainer's contract): no statistic overflows
-        rewards = np.asarray([g.members[i].trajectory.reward for i in sorted(g.members)], float)
-        adv = (rewards - rewards.mean()) / (rewards.std() + eps)
+        adv = advantages(group_rewards(g, grpo), grpo.advantage, grpo.adv_eps)
         for k, i in enumerate(sorted(g.members)):
             tr = g.members[i].trajectory
             n = tr.num_tokens

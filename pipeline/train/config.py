@@ -40,10 +40,29 @@ class GRPOConfig:
     aggregation: str = "token_mean"
     #: coefficient of the KL penalty to the initial policy (0: none)
     kl_coef: float = 0.0
+    #: estimator of that KL per token: k1 (log-ratio) or k3 (never negative)
+    kl_estimator: str = "k3"
     #: optimiser updates per batch (the batch split into this many minibatches)
     minibatches: int = 1
+    #: slices of a minibatch whose gradients are accumulated into its one update (the
+    #: same update as the whole minibatch at once, in a fraction of the memory)
+    microbatches: int = 1
+    #: advantages: grpo (group mean and std), drgrpo (group mean only) or rloo
+    #: (leave-one-out mean)
+    advantage: str = "grpo"
+    #: importance ratio: token (PPO) or sequence (GSPO: each row's length-normalised ratio)
+    ratio: str = "token"
     #: added to the group's reward std before dividing
     adv_eps: float = 1e-6
+    #: DAPO dynamic sampling: drop groups whose rewards are all equal (no signal), as
+    #: zero_variance in the ledger
+    dynamic_sampling: bool = False
+    #: DAPO overlong shaping: policy tokens allowed before the penalty is complete (0: off)
+    overlong_max_tokens: int = 0
+    #: the penalty grows linearly over this many tokens before overlong_max_tokens
+    overlong_buffer: int = 0
+    #: the penalty at and past overlong_max_tokens (subtracted from the reward)
+    overlong_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if self.correction not in ("decoupled", "tis"):
@@ -51,8 +70,17 @@ class GRPOConfig:
         aggs = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
         if self.aggregation not in aggs:
             raise InvalidConfigError(f"aggregation must be one of {aggs}")
-        if self.minibatches < 1 or self.is_cap <= 0:
-            raise InvalidConfigError("minibatches must be >= 1 and is_cap > 0")
+        if self.minibatches < 1 or self.microbatches < 1 or self.is_cap <= 0:
+            raise InvalidConfigError("minibatches and microbatches must be >= 1, is_cap > 0")
+        for name, value, allowed in (
+            ("advantage", self.advantage, ("grpo", "drgrpo", "rloo")),
+            ("ratio", self.ratio, ("token", "sequence")),
+            ("kl_estimator", self.kl_estimator, ("k1", "k3")),
+        ):
+            if value not in allowed:
+                raise InvalidConfigError(f"{name} must be one of {allowed}, not {value!r}")
+        if self.overlong_max_tokens and not 0 < self.overlong_buffer <= self.overlong_max_tokens:
+            raise InvalidConfigError("overlong_buffer must lie in (0, overlong_max_tokens]")
 
     def optimizer(self) -> Any:
         """AdamW with linear warm-up and global-norm clipping (an optax transformation)."""
@@ -149,8 +177,11 @@ class TrainerConfig:
             raise InvalidConfigError(
                 f"bucket {max(self.buckets)} exceeds the model's max_len {self.model.max_len}"
             )
-        if (self.groups_per_batch * self.group_size) % self.grpo.minibatches:
-            raise InvalidConfigError("batch rows must divide evenly into minibatches")
+        if self.rows % (self.grpo.minibatches * self.grpo.microbatches):
+            raise InvalidConfigError(
+                f"{self.rows} batch rows do not divide evenly into {self.grpo.minibatches} "
+                f"minibatches of {self.grpo.microbatches} micro-batches"
+            )
         if self.fsdp < 0 or self.tensor_parallel < 1:
             raise InvalidConfigError(
                 f"fsdp must be >= 0 and tensor_parallel >= 1, got {self.fsdp}, "

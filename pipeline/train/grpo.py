@@ -1,6 +1,7 @@
 """GRPO with off-policy correction: one jitted pure step ``(state, batch) -> (state, metrics)``.
 
-- Advantages are group-normalised: ``(r - mean(r_group)) / (std(r_group) + eps)``.
+- Advantages come with the batch (:mod:`pipeline.train.advantages`: GRPO, Dr. GRPO or
+  RLOO, DAPO's overlong shaping and dynamic sampling).
 - Each trajectory carries the behaviour log-probabilities ``mu`` of its policy tokens
   (the producer's policy, possibly several versions old). Two corrections:
 
@@ -14,10 +15,15 @@
 
 - Token-level aggregation: ``token_mean`` (all policy tokens of the batch weigh the same),
   ``seq_mean_token_mean`` or ``seq_mean_token_sum``.
-- Optional KL to a frozen reference policy (k3 estimator), weighted by ``kl_coef``.
+- The ratio is per token (PPO) or per sequence (GSPO-token: each row's length-normalised
+  log-ratio as every token's value, each token's own gradient); clipping with separate
+  ``clip_low``/``clip_high`` (DAPO's clip-higher; equal for the symmetric PPO clip).
+- Optional KL to a frozen reference policy (k1 or k3 estimator), weighted by ``kl_coef``.
 
 A batch is split into ``minibatches`` updates inside the step (``lax.scan``), so clipping
-acts from the second update on.
+acts from the second update on; each minibatch's gradient is accumulated over
+``microbatches`` slices, normalised by the whole minibatch, so the update is the same as
+computing it at once.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pipeline.policy.model import Transformer, token_logprobs_and_entropy
+from pipeline.policy.model import Transformer, finite_leaves, token_logprobs_and_entropy
 from pipeline.train.config import GRPOConfig
 
 #: log-ratios above this are capped before exp (exp(20) ~ 5e8, far past any clip range)
@@ -59,31 +65,36 @@ class TrainState(NamedTuple):
     reference: Any
 
 
-def group_advantages(
-    rewards: jax.Array, group_ids: jax.Array, num_groups: int, eps: float
-) -> jax.Array:
-    """``(r - mean) / (std + eps)`` within each group (``group_ids`` in ``[0, num_groups)``)."""
-    count = jax.ops.segment_sum(jnp.ones_like(rewards), group_ids, num_groups)
-    mean = jax.ops.segment_sum(rewards, group_ids, num_groups) / jnp.maximum(count, 1)
-    sq = jax.ops.segment_sum((rewards - mean[group_ids]) ** 2, group_ids, num_groups)
-    std = jnp.sqrt(sq / jnp.maximum(count, 1))
-    return (rewards - mean[group_ids]) / (std[group_ids] + eps)
-
-
 def _logprobs_and_entropy(
     graphdef: Any, params: Any, tokens: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     return token_logprobs_and_entropy(nnx.merge(graphdef, params), tokens)
 
 
-def _aggregate(per_token: jax.Array, mask: jax.Array, how: str) -> jax.Array:
+def denominators(mask: jax.Array) -> jax.Array:
+    """``[policy tokens, rows with policy tokens]`` of a (mini)batch: what each
+    aggregation divides by, fixed for the whole minibatch so that its micro-batches'
+    gradients add up to the minibatch's own."""
+    return jnp.stack([jnp.sum(mask), jnp.sum(jnp.sum(mask, axis=1) > 0)]).astype(jnp.float32)
+
+
+def _aggregate(per_token: jax.Array, mask: jax.Array, how: str, denom: jax.Array) -> jax.Array:
+    """``token_mean``: every policy token of the minibatch weighs the same;
+    ``seq_mean_token_mean``: every row the same, its tokens averaged;
+    ``seq_mean_token_sum``: every row the same, its tokens summed (Dr.GRPO)."""
     if how == "token_mean":
-        return jnp.sum(per_token * mask) / jnp.maximum(jnp.sum(mask), 1.0)
-    rows = jnp.sum(mask, axis=1) > 0
+        return jnp.sum(per_token * mask) / jnp.maximum(denom[0], 1.0)
     summed = jnp.sum(per_token * mask, axis=1)
     if how == "seq_mean_token_mean":
         summed = summed / jnp.maximum(jnp.sum(mask, axis=1), 1.0)
-    return jnp.sum(summed * rows) / jnp.maximum(jnp.sum(rows), 1.0)
+    return jnp.sum(summed) / jnp.maximum(denom[1], 1.0)
+
+
+def _sequence_log_ratio(log_ratio: jax.Array, logp: jax.Array, mask: jax.Array) -> jax.Array:
+    """GSPO-token: every token of a row carries the row's length-normalised log-ratio as
+    its value, and its own token's gradient."""
+    seq = jnp.sum(log_ratio * mask, axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1.0)
+    return jax.lax.stop_gradient(seq)[:, None] + logp - jax.lax.stop_gradient(logp)
 
 
 def make_train_step(
@@ -105,22 +116,25 @@ def make_train_step(
         jit_args |= {"in_shardings": (state_sh, batch_sh), "out_shardings": (state_sh, replicated)}
 
     def loss_fn(
-        params: Any, mb: Batch, prox: jax.Array | None, ref: jax.Array | None
+        params: Any, mb: Batch, prox: jax.Array | None, ref: jax.Array | None, denom: jax.Array
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         logp, entropy = _logprobs_and_entropy(graphdef, params, mb.tokens)
         if prox is None:  # one update per step: the proximal policy is this one
             prox = jax.lax.stop_gradient(logp)
         mask = mb.mask * mb.valid[:, None]
         adv = mb.advantage[:, None]
+        anchor = prox if cfg.correction == "decoupled" else mb.behaviour
+        log_ratio = logp - anchor
+        if cfg.ratio == "sequence":
+            log_ratio = _sequence_log_ratio(log_ratio, logp, mask)
         # log-ratios are capped before exp: past the cap both branches of the clipped
         # objective are constant, so the cap changes no value or gradient, but an extreme
         # behaviour log-probability can no longer make inf (and inf * 0 = NaN gradients)
+        ratio = jnp.exp(jnp.minimum(log_ratio, _MAX_LOG_RATIO))
         if cfg.correction == "decoupled":
-            ratio = jnp.exp(jnp.minimum(logp - prox, _MAX_LOG_RATIO))
             weight = jnp.exp(jnp.minimum(prox - mb.behaviour, jnp.log(cfg.is_cap)))
             unclipped = ratio * adv
         else:  # tis: the clipped ratio against the behaviour policy, truncated
-            ratio = jnp.exp(jnp.minimum(logp - mb.behaviour, _MAX_LOG_RATIO))
             weight = jnp.ones_like(ratio)
             unclipped = jnp.minimum(ratio, cfg.is_cap) * adv
         clipped = jnp.clip(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high) * adv
@@ -128,10 +142,13 @@ def make_train_step(
         n = jnp.maximum(jnp.sum(mask), 1.0)
         metrics = {}
         if ref is not None:
-            kl_ref = jnp.exp(ref - logp) - (ref - logp) - 1.0  # k3, >= 0
+            if cfg.kl_estimator == "k1":
+                kl_ref = logp - ref
+            else:  # k3: unbiased and never negative
+                kl_ref = jnp.exp(ref - logp) - (ref - logp) - 1.0
             per_token = per_token + cfg.kl_coef * kl_ref
             metrics["kl_ref"] = jnp.sum(kl_ref * mask) / n
-        loss = _aggregate(per_token, mask, cfg.aggregation)
+        loss = _aggregate(per_token, mask, cfg.aggregation, denom)
         is_w = jnp.exp(jnp.minimum(prox - mb.behaviour, _MAX_LOG_RATIO))
         metrics |= {
             "loss": loss,
@@ -143,6 +160,28 @@ def make_train_step(
             "is_truncated_fraction": jnp.sum((is_w > cfg.is_cap) * mask) / n,
         }
         return loss, metrics
+
+    def gradients(params: Any, mb: Any) -> tuple[dict[str, jax.Array], Any]:
+        """The minibatch's loss gradients, accumulated over ``cfg.microbatches`` slices
+        of its rows (each normalised by the whole minibatch, so the sum is exact)."""
+        batch, prox, ref = mb
+        denom = denominators(batch.mask * batch.valid[:, None])
+        k = cfg.microbatches
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        if k == 1:
+            (_, metrics), grads = grad_fn(params, batch, prox, ref, denom)
+            return metrics, grads
+        micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), mb)
+
+        def accumulate(total: Any, one: Any) -> tuple[Any, Any]:
+            (_, metrics), grads = grad_fn(params, *one, denom)
+            return jax.tree.map(jnp.add, total, grads), metrics
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grads, metrics = jax.lax.scan(accumulate, zeros, micro)
+        # the loss is one normalised sum in k parts; the other metrics are averaged
+        reduce: dict[str, Any] = {"loss": jnp.sum, "is_weight_max": jnp.max}
+        return {n: reduce.get(n, jnp.mean)(v) for n, v in metrics.items()}, grads
 
     @functools.partial(jax.jit, **jit_args)
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -165,7 +204,7 @@ def make_train_step(
 
         def update(carry: tuple[Any, Any], mb: Any) -> tuple[tuple[Any, Any], Any]:
             params, opt_state = carry
-            (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, *mb)
+            metrics, grads = gradients(params, mb)
             metrics["grad_norm"] = optax.tree.norm(grads)
             ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
 
@@ -174,9 +213,16 @@ def make_train_step(
                 updates, opt_state = tx.update(grads, opt_state, params)
                 return optax.apply_updates(params, updates), opt_state
 
-            # an update whose loss or gradients are not finite is not made (decided before
-            # the optimizer runs, so no second copy of the state is needed to undo it)
-            carry = jax.lax.cond(ok, apply, lambda a: (a[0], a[1]), (params, opt_state, grads))
+            def stays_finite(args: tuple[Any, Any, Any]) -> jax.Array:
+                return finite_leaves(apply(args)[0])
+
+            # An update is made only if its loss, its gradients and the parameters it
+            # would make are all finite, decided before anything is written: the check
+            # runs the optimizer once without keeping its result (XLA fuses it leaf by
+            # leaf), so no second copy of the state is needed to undo an update.
+            args = (params, opt_state, grads)
+            ok = jax.lax.cond(ok, stays_finite, lambda a: jnp.asarray(False), args)
+            carry = jax.lax.cond(ok, apply, lambda a: (a[0], a[1]), args)
             metrics["finite"] = ok
             return carry, metrics
 

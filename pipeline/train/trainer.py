@@ -43,7 +43,15 @@ from pipeline.policy.hf_weights import initial_model
 from pipeline.policy.model import all_finite
 from pipeline.policy.tokenizer import tokenizer_for
 from pipeline.records.ledger import Ledger
-from pipeline.train.batching import GroupBuffer, GroupQueue, Refused, assemble, bucket_for
+from pipeline.train.advantages import zero_variance
+from pipeline.train.batching import (
+    GroupBuffer,
+    GroupQueue,
+    Refused,
+    assemble,
+    bucket_for,
+    group_rewards,
+)
 from pipeline.train.config import TrainerConfig
 from pipeline.train.contract import RecordContract
 from pipeline.train.grpo import init_state, make_train_step
@@ -367,6 +375,10 @@ class Trainer:
                 oldest = min(m.trajectory.min_version for m in g.members.values())
                 if oldest >= 0 and self._stale(oldest):
                     self._drop_group(g, "stale")
+                elif self.cfg.grpo.dynamic_sampling and zero_variance(
+                    group_rewards(g, self.cfg.grpo)
+                ):
+                    self._drop_group(g, "zero_variance")  # DAPO: no signal in it
                 else:
                     groups.append(g)
         return groups
@@ -379,7 +391,7 @@ class Trainer:
         if not groups:
             return int(self.state.step)
         with span("batch_assembly", "train", groups=len(groups)):
-            batch, members = assemble(groups, self.cfg.rows, self.cfg.buckets)
+            batch, members = assemble(groups, self.cfg.rows, self.cfg.buckets, self.cfg.grpo)
         t1 = time.perf_counter()
         self.timers["assemble"] += t1 - t0
         with span("train_step", "train", step=int(self.state.step) + 1, trained=len(members)):

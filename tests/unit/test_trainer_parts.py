@@ -14,7 +14,7 @@ from pipeline.policy.model import init_model, token_logprobs
 from pipeline.testing import make_trajectory
 from pipeline.train.batching import Group, GroupBuffer, GroupQueue, Refused, assemble, bucket_for
 from pipeline.train.config import GRPOConfig
-from pipeline.train.grpo import Batch, group_advantages, init_state, make_train_step
+from pipeline.train.grpo import Batch, init_state, make_train_step
 from pipeline.train.positions import PositionTracker
 
 TP = ("ns.rollouts.a", 0)
@@ -107,11 +107,6 @@ def test_assemble_pads_to_a_bucket_and_normalises_rewards() -> None:
     assert batch.valid.tolist() == [1, 1, 1, 1, 0, 0]
     assert batch.mask[0, :20].tolist() == members[0].trajectory.loss_mask.tolist()
     assert bucket_for(65, (16, 32, 64)) is None
-
-
-def test_group_advantages_in_jax() -> None:
-    adv = group_advantages(jnp.asarray([1.0, 0.0, 2.0, 2.0]), jnp.asarray([0, 0, 1, 1]), 2, 1e-6)
-    np.testing.assert_allclose(np.asarray(adv), [1, -1, 0, 0], atol=1e-4)
 
 
 CFG = ModelConfig(d_model=32, num_layers=1, num_heads=2, d_ff=64, max_len=64)

@@ -1,0 +1,147 @@
+"""The loss variants a researcher chooses between, each against numpy computed here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pipeline.policy.config import ModelConfig
+from pipeline.policy.model import init_model, token_logprobs
+from pipeline.train.advantages import advantages, overlong_penalty, zero_variance
+from pipeline.train.config import GRPOConfig
+from pipeline.train.grpo import Batch, TrainState, init_state, make_train_step
+
+CFG = ModelConfig(d_model=32, num_layers=1, num_heads=2, d_ff=64, max_len=64)
+
+
+def test_advantage_estimators() -> None:
+    r = np.array([1.0, 0.0, 0.0, 3.0])
+    mean, std = 1.0, np.sqrt(((r - 1.0) ** 2).mean())  # population std: sqrt(1.5)
+    np.testing.assert_allclose(advantages(r, "grpo", 0.0), (r - mean) / std)
+    np.testing.assert_allclose(advantages(r, "drgrpo"), [0.0, -1.0, -1.0, 2.0])
+    # leave-one-out: r_i minus the mean of the other three
+    np.testing.assert_allclose(advantages(r, "rloo"), [1 - 1, 0 - 4 / 3, 0 - 4 / 3, 3 - 1 / 3])
+    assert advantages(np.array([5.0]), "rloo").tolist() == [0.0]
+    assert zero_variance(np.array([1.0, 1.0])) and not zero_variance(r)
+
+
+def test_overlong_shaping() -> None:
+    # no penalty up to 80 tokens, linear to -1 at 100, -1 past it
+    assert overlong_penalty(80, 100, 20, 1.0) == 0.0
+    assert overlong_penalty(90, 100, 20, 1.0) == pytest.approx(-0.5)
+    assert overlong_penalty(100, 100, 20, 1.0) == -1.0
+    assert overlong_penalty(500, 100, 20, 2.0) == -2.0
+    assert overlong_penalty(10**6, 0, 0, 1.0) == 0.0  # off
+
+
+def _batch(model: Any, rows: int = 4, length: int = 16, seed: int = 0) -> Batch:
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 256, (rows, length)).astype(np.int32)
+    mask = np.zeros((rows, length), np.float32)
+    for i in range(rows):  # rows with different numbers of policy tokens
+        mask[i, length // 2 - i :] = 1
+    logp = np.asarray(token_logprobs(model, jnp.asarray(tokens)))
+    behaviour = (logp + rng.normal(0, 0.4, logp.shape)).astype(np.float32) * mask
+    adv = rng.standard_normal(rows).astype(np.float32)
+    return Batch(tokens, mask, behaviour, adv, np.ones(rows, np.float32))
+
+
+def _reference_loss(
+    logp: np.ndarray, b: Batch, cfg: GRPOConfig, ref: np.ndarray | None = None
+) -> float:
+    """The truncated-IS objective, by hand, in float64."""
+    logp, mu, m = logp.astype(float), b.behaviour.astype(float), b.mask.astype(float)
+    lr = logp - mu
+    if cfg.ratio == "sequence":
+        lr = np.repeat(((lr * m).sum(1) / m.sum(1))[:, None], lr.shape[1], 1)
+    r = np.exp(lr)
+    a = b.advantage.astype(float)[:, None]
+    per = -np.minimum(
+        np.minimum(r, cfg.is_cap) * a, np.clip(r, 1 - cfg.clip_low, 1 + cfg.clip_high) * a
+    )
+    if ref is not None:
+        d = ref.astype(float) - logp
+        per += cfg.kl_coef * (-d if cfg.kl_estimator == "k1" else np.exp(d) - d - 1)
+    if cfg.aggregation == "token_mean":
+        return float((per * m).sum() / m.sum())
+    rows = (per * m).sum(1)
+    if cfg.aggregation == "seq_mean_token_mean":
+        rows = rows / m.sum(1)
+    return float(rows.mean())
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"aggregation": "token_mean"},
+        {"aggregation": "seq_mean_token_mean"},
+        {"aggregation": "seq_mean_token_sum"},
+        {"clip_low": 0.2, "clip_high": 0.2},  # symmetric PPO clip
+        {"clip_low": 0.2, "clip_high": 0.28},  # DAPO clip-higher
+        {"ratio": "sequence"},  # GSPO
+        {"ratio": "sequence", "aggregation": "seq_mean_token_mean"},
+    ],
+)
+def test_loss_variants_match_numpy(variant: dict[str, Any]) -> None:
+    model = init_model(CFG, seed=0)
+    b = _batch(model)
+    logp = np.asarray(token_logprobs(model, jnp.asarray(b.tokens)))
+    cfg = GRPOConfig(correction="tis", **variant)
+    tx = cfg.optimizer()
+    graphdef, state = init_state(model, tx, reference=False)
+    _, metrics = make_train_step(graphdef, cfg, tx)(state, b)
+    assert float(metrics["loss"]) == pytest.approx(
+        _reference_loss(logp, b, cfg), rel=1e-4, abs=1e-5
+    )
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_kl_to_a_reference_policy(estimator: str) -> None:
+    model, other = init_model(CFG, seed=0), init_model(CFG, seed=1)
+    b = _batch(model)
+    logp = np.asarray(token_logprobs(model, jnp.asarray(b.tokens)))
+    ref = np.asarray(token_logprobs(other, jnp.asarray(b.tokens)))
+    cfg = GRPOConfig(correction="tis", kl_coef=0.5, kl_estimator=estimator)
+    tx = cfg.optimizer()
+    graphdef, state = init_state(model, tx)
+    _, ref_params = init_state(other, tx)
+    state = TrainState(state.params, state.opt_state, state.step, ref_params.params)
+    _, metrics = make_train_step(graphdef, cfg, tx)(state, b)
+    assert float(metrics["loss"]) == pytest.approx(
+        _reference_loss(logp, b, cfg, ref), rel=1e-4, abs=1e-5
+    )
+    d = ref - logp
+    kl = -d if estimator == "k1" else np.exp(d) - d - 1
+    assert float(metrics["kl_ref"]) == pytest.approx((kl * b.mask).sum() / b.mask.sum(), rel=1e-4)
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_sum"])
+def test_micro_batches_give_the_update_of_the_whole_batch(aggregation: str) -> None:
+    model = init_model(CFG, seed=0)
+    b = _batch(model, rows=8)
+    results = []
+    for k in (1, 4):
+        cfg = GRPOConfig(microbatches=k, aggregation=aggregation, warmup_steps=1)
+        tx = cfg.optimizer()
+        graphdef, state = init_state(model, tx, reference=False)
+        state, metrics = make_train_step(graphdef, cfg, tx)(state, b)
+        results.append((float(metrics["loss"]), float(metrics["grad_norm"]), state.params))
+    (loss1, norm1, p1), (loss4, norm4, p4) = results
+    assert loss4 == pytest.approx(loss1, rel=1e-5, abs=1e-6)
+    assert norm4 == pytest.approx(norm1, rel=1e-4)
+    for x, y in zip(jax.tree.leaves(p1), jax.tree.leaves(p4), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)
+
+
+def test_unknown_variants_are_refused() -> None:
+    from pipeline.errors import InvalidConfigError
+
+    for bad in ({"advantage": "ppo"}, {"ratio": "row"}, {"kl_estimator": "k2"}):
+        with pytest.raises(InvalidConfigError, match="must be one of"):
+            GRPOConfig(**bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidConfigError, match="overlong_buffer"):
+        GRPOConfig(overlong_max_tokens=10, overlong_buffer=20)
