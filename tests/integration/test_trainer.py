@@ -359,3 +359,40 @@ def test_memory_stays_flat_under_a_flood_of_bad_and_stale_records(
     grown = peak - base
     print(f"flood={flood_bytes / 1e6:.0f}MB python_peak_growth={grown / 1e6:.1f}MB")
     assert grown < flood_bytes / 4, f"trainer held {grown / 1e6:.0f} MB of a 72 MB flood"
+
+
+def test_dynamic_sampling_drops_groups_without_signal_and_says_so(
+    bootstrap: str, namespace: str, tmp_path: Path
+) -> None:
+    """With DAPO's dynamic sampling, a group whose rewards are all equal is never trained:
+    its members are settled as zero_variance in the ledger; every other group trains."""
+    from pipeline.kafka.replay import read_namespace
+
+    kafka = KafkaConfig(bootstrap=bootstrap)
+    ensure_topics(kafka, namespace_topics(namespace, ["math"], 1))
+    produce_groups(kafka, namespace, 16, seed=5)
+    rewards: dict[str, list[float]] = {}
+    for r in read_namespace(kafka, namespace, ["math"]):
+        assert r.trajectory is not None
+        rewards.setdefault(r.trajectory.group_id, []).append(r.trajectory.reward)
+    flat = {g for g, rs in rewards.items() if len(set(rs)) == 1}
+    assert 0 < len(flat) < 16
+    steps = (16 - len(flat)) // 2
+    cfg = trainer_config(  # (all records are of version 0: no staleness bound)
+        namespace,
+        tmp_path,
+        max_steps=steps,
+        max_staleness=99,
+        grpo=GRPOConfig(warmup_steps=1, dynamic_sampling=True),
+    )
+    assert Trainer(cfg, kafka).run() == steps
+    entries = read_ledger(tmp_path / "ledger.jsonl")
+    dropped = [d for e in entries for d in e["dropped"] if d[4] == "zero_variance"]
+    by_id = {
+        r.trajectory.trajectory_id: r.trajectory.group_id
+        for r in read_namespace(kafka, namespace, ["math"])
+        if r.trajectory is not None
+    }
+    assert dropped and {by_id[d[0]] for d in dropped} <= flat
+    trained = {by_id[t[0]] for e in entries for t in e["trained"]}
+    assert len(trained) == 2 * steps and not trained & flat
