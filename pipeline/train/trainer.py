@@ -153,8 +153,11 @@ class Trainer:
                 "session.timeout.ms": 30000,
             },
         )
-        pattern = "^" + cfg.namespace.replace("-", "\\-") + ROLLOUTS.replace(".", "\\.") + ".*"
-        self.consumer.subscribe([pattern], on_assign=self._on_assign, on_revoke=self._on_revoke)
+        # subscribed when training starts (after the warm-up compiles), so that the group
+        # never waits on, or hands partitions to, a member that is not reading yet
+        self._pattern = (
+            "^" + cfg.namespace.replace("-", "\\-") + ROLLOUTS.replace(".", "\\.") + ".*"
+        )
         self.producer = kafka.producer()
         self.dead_letters = DeadLetters(self.producer, cfg.namespace, cfg.trainer_id)
         self.publisher = WeightsPublisher(cfg, self.producer, self.tokenizer.id)
@@ -221,6 +224,10 @@ class Trainer:
         last_skip_check = 0.0
         step = int(self.state.step)
         self.warm_up()
+        if self.source is None and not self.stop_event.is_set():
+            self.consumer.subscribe(
+                [self._pattern], on_assign=self._on_assign, on_revoke=self._on_revoke
+            )
         try:
             while not self.stop_event.is_set():
                 if self.cfg.max_steps is not None and step >= self.cfg.max_steps:
