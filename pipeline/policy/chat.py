@@ -194,7 +194,8 @@ class ChatTokenizer:
             )
         at, end = min(ends)
         self._history = history
-        self._cut = at + len(end)  # the policy's turn ends here, after its end token
+        # the probe conversation up to the end of the policy's turn, after its end token
+        self._prefix = whole[: at + len(end)]
 
     @property
     def assistant_header(self) -> list[int]:
@@ -212,9 +213,9 @@ class ChatTokenizer:
         including what the template writes between that turn's end token and it."""
         message = {"role": "tool" if role == "tool" else "user", "content": text}
         whole = self.render([*self._history, message])
-        if whole[: self._cut] != self.render(self._history)[: self._cut]:
+        if not whole.startswith(self._prefix):
             raise InvalidConfigError(f"the chat template rewrites the history when a {role} speaks")
-        return self.encode(whole[self._cut :])
+        return self.encode(whole[len(self._prefix) :])
 
     def parse_call(self, tokens: Sequence[int], stopped: int | None) -> tuple[str, str] | None:
         """``(tool name, arguments)`` when the policy's turn is a tool call in the
