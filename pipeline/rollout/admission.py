@@ -20,7 +20,10 @@ that stops sends a tombstone, one that dies stops counting once it has been sile
 both fill the same free budget at once: each therefore also keeps its own episodes in
 flight within its part of the free budget (the budget less the trainer's backlog),
 divided among the live producers. A producer that joins is counted by the others at its
-first heartbeat; nobody restarts.
+first heartbeat; nobody restarts. Producers that start at the same moment may each read
+the other's heartbeat from before it started anything: for its first ``JOIN_ROUNDS``
+heartbeats a producer therefore holds at most one group more than its last heartbeat
+said, so that whoever starts next finds it at most one group beyond what it announced.
 
 The budget counts queue positions, assuming the episode starts with the trainer's newest
 policy. While a producer samples with weights ``behind`` versions older (a restore in
@@ -48,6 +51,9 @@ log = logging.getLogger(__name__)
 
 #: a heartbeat's in-flight count above this is refused as nonsense
 MAX_IN_FLIGHT = 1 << 20
+#: heartbeat rounds (after the peers are known) in which a producer that just started
+#: raises its episodes in flight by at most one group per heartbeat
+JOIN_ROUNDS = 4
 
 
 @dataclass(frozen=True)
@@ -68,14 +74,18 @@ def decide(
     unpolled: int,
     own_in_flight: int,
     peers: Mapping[str, int],
+    announced: int | None = None,
 ) -> Decision:
     """May a group of ``group_size`` start now? ``budget``: trajectories that may be
     outstanding (not yet read by the trainer) in all, already less the versions this
     producer's weights are behind the trainer's; ``peers``: the live other producers'
-    episodes in flight."""
+    episodes in flight; ``announced``: while this producer is joining, the episodes in
+    flight its last heartbeat announced (it holds at most one group more)."""
     n = 1 + len(peers)
     share = max(group_size, math.ceil(budget / n))
     outstanding = lag + unpolled + own_in_flight + sum(peers.values())
+    if announced is not None and own_in_flight > announced:
+        return Decision(False, outstanding, share, len(peers))
     if budget <= 0:  # the trainer is max_staleness versions ahead of our weights already
         return Decision(False, outstanding, 0, len(peers))
     if outstanding == 0:  # one group may always start when nothing is outstanding

@@ -34,7 +34,7 @@ from pipeline.policy.hf_weights import initial_model
 from pipeline.policy.sampler import DecodeEngine
 from pipeline.policy.server import PolicyServer
 from pipeline.policy.tokenizer import tokenizer_for
-from pipeline.rollout.admission import Heartbeats, LagMonitor, decide
+from pipeline.rollout.admission import JOIN_ROUNDS, Heartbeats, LagMonitor, decide
 from pipeline.rollout.config import ProducerConfig
 from pipeline.rollout.episode import GroupSlot, failed_trajectory, run_episode
 
@@ -114,6 +114,13 @@ class RolloutProducer:
         #: the log an interval after this producer's first), so that producers starting
         #: at the same moment hear of each other first
         self._peers_known = False
+        #: heartbeat rounds since the peers became known, and the episodes in flight this
+        #: producer announced in its last heartbeat: for its first ``JOIN_ROUNDS`` rounds a
+        #: producer holds at most one group more than it announced, so that a peer that
+        #: started at the same moment (and is not heard of yet) never finds it far beyond
+        #: its last heartbeat
+        self._rounds_known = 0
+        self._announced = 0
 
     @property
     def version(self) -> int:
@@ -283,6 +290,7 @@ class RolloutProducer:
             unpolled=self.writer.sent - self._sent_at_poll + self._peers_unpolled,
             own_in_flight=in_flight,
             peers=self._peers,
+            announced=self._announced if self._rounds_known < JOIN_ROUNDS else None,
         )
         st.share, st.peers, st.peers_in_flight = d.share, d.peers, sum(self._peers.values())
         paused = not d.admit
@@ -422,13 +430,16 @@ class RolloutProducer:
                 except confluent_kafka.KafkaException as e:  # e.g. coordinator loading
                     log.warning("lag unknown, keeping the last value: %s", e)
                 try:
+                    in_flight = self.in_flight
                     self._peers, self._peers_unpolled = await asyncio.to_thread(
                         self._exchange,
                         heartbeats,
-                        self.in_flight,
+                        in_flight,
                         self.writer.sent,
                         self.stats.share,
                     )
+                    self._announced = in_flight
+                    self._rounds_known += self._peers_known
                 except confluent_kafka.KafkaException as e:
                     log.warning("heartbeats not exchanged, keeping the last peers: %s", e)
                 self._peers_known = self._peers_known or heartbeats.ready

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipeline.rollout.admission import decide
+from pipeline.rollout.admission import JOIN_ROUNDS, decide
 
 
 def test_one_producer_fills_the_budget_and_no_more() -> None:
@@ -61,3 +61,44 @@ def test_producers_who_see_the_same_free_budget_take_a_part_each() -> None:
         d = decide(budget=128, group_size=8, lag=64, unpolled=0, own_in_flight=own, peers={"b": 0})
         assert d.admit is admit, own
     assert d.share == 64  # each producer's share of the whole budget, as reported
+
+
+def _start_together(*, joining: bool, late_by: int) -> list[int]:
+    """Two producers, no trainer (budget 16, groups of 4). ``b`` beats its first heartbeat
+    ``late_by`` rounds after ``a``; each heartbeat is read by the other only in its next
+    round, and ``a`` hears of ``b`` one round after ``b`` read ``a``'s heartbeat: the order in
+    which two producers starting at the same moment can see each other at their worst."""
+    budget, group = 16, 4
+    in_flight = {"a": 0, "b": 0}
+    announced = {"a": 0, "b": 0}
+    started_at = {"a": 0, "b": late_by}
+    for r in range(12):
+        for me, peer in (("a", "b"), ("b", "a")):
+            if r < started_at[me]:
+                continue
+            peer_heard = r > started_at[peer] if me == "a" else r >= started_at[peer]
+            peers = {peer: announced[peer]} if peer_heard else {}
+            announced[me] = in_flight[me]  # this round's heartbeat, read by the peer later
+            rounds_known = r - started_at[me]
+            while decide(
+                budget=budget,
+                group_size=group,
+                lag=0,
+                unpolled=0,
+                own_in_flight=in_flight[me],
+                peers=peers,
+                announced=announced[me] if joining and rounds_known < JOIN_ROUNDS else None,
+            ).admit:
+                in_flight[me] += group
+    return [in_flight["a"], in_flight["b"]]
+
+
+def test_producers_starting_together_overshoot_the_budget_by_one_group_at_most() -> None:
+    # a joining producer holds at most one group more than its last heartbeat said, so
+    # whoever reads that heartbeat is misled by one group, not by a whole share
+    for late_by in range(8):
+        started = _start_together(joining=True, late_by=late_by)
+        assert 16 <= sum(started) <= 16 + 4, (late_by, started)
+    # without it, the first producer takes the whole budget before the second is heard
+    # of, and the second reads a heartbeat from before that: 24 (seen on a loaded machine)
+    assert _start_together(joining=False, late_by=0) == [16, 8]
