@@ -49,7 +49,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.from_file:
         from pipeline.kafka.replay import RecordingSource
 
-        source = RecordingSource(Path(args.from_file))
+        source = RecordingSource(
+            Path(args.from_file), cfg.member_index, cfg.members, cfg.groups_per_batch
+        )
         print(f"training from {args.from_file}: {len(source)} records", flush=True)
     stop = StopFlag().install()
     start = time.monotonic()

@@ -350,14 +350,47 @@ class _Message:
         return list((self._row.get("headers") or {}).items())
 
 
+def _owners(rows: list[dict[str, Any]], members: int, groups_per_batch: int) -> list[int]:
+    """The member each recorded row goes to (see :class:`RecordingSource`): a group's
+    rows go together, by the group's place in the order groups complete; rows outside a
+    complete group (undecodable, or of a group that never completes) go round."""
+    block = max(1, groups_per_batch // members)
+    seen: dict[str, set[int]] = {}
+    owner_of: dict[str, int] = {}
+    for row in rows:
+        t = row.get("trajectory")
+        if t is None:
+            continue
+        gid = str(t.get("group_id"))
+        indices = seen.setdefault(gid, set())
+        indices.add(int(t.get("group_index", 0)))
+        if gid not in owner_of and len(indices) >= int(t.get("group_size", 1)):
+            owner_of[gid] = (len(owner_of) % groups_per_batch) // block % members
+    return [
+        owner_of.get(str((row.get("trajectory") or {}).get("group_id")), i % members)
+        for i, row in enumerate(rows)
+    ]
+
+
 class RecordingSource:
     """The consumer calls the trainer makes, answered from a recording, in file order.
     Nothing is committed anywhere; ``exhausted`` is true once every record was served.
     Values are served as the single-object bytes of the recorded trajectory (the
-    trainer decodes and checks them, as it does records from Kafka)."""
+    trainer decodes and checks them, as it does records from Kafka).
 
-    def __init__(self, path: Path) -> None:
+    For member ``member`` of a trainer group of ``members``, only its share is served:
+    of each ``groups_per_batch`` groups in the order they complete, the member's block of
+    ``groups_per_batch / members``, so that the group's global batches hold the groups
+    one trainer alone would train, in the same row order."""
+
+    def __init__(
+        self, path: Path, member: int = 0, members: int = 1, groups_per_batch: int = 1
+    ) -> None:
         codec = TrajectoryCodec()
+        rows = list(_rows(path))
+        if members > 1:
+            owners = _owners(rows, members, groups_per_batch)
+            rows = [row for row, owner in zip(rows, owners, strict=True) if owner == member]
         self._messages = [
             _Message(
                 row,
@@ -365,7 +398,7 @@ class RecordingSource:
                 if row.get("trajectory") is not None
                 else (row.get("raw") or b""),
             )
-            for row in _rows(path)
+            for row in rows
         ]
         self._pos = 0
         self._on_assign: Any = None

@@ -39,15 +39,19 @@ _io_retry = retry(
 
 
 @_io_retry
-def save_params(path: Path, model: Transformer, version: int | None = None) -> Path:
+def save_params(
+    path: Path, model: Transformer, version: int | None = None, write_version: bool = True
+) -> Path:
     """Write the model's parameters to ``path`` (which must not exist) and wait until the
     checkpoint is durable. With ``version``, the policy version is written beside them
-    (:data:`VERSION_FILE`), so that an announcement cannot claim another one."""
+    (:data:`VERSION_FILE`), so that an announcement cannot claim another one. Processes
+    of one JAX job call this together, each writing its shards; one of them writes the
+    version file (``write_version``)."""
     state = nnx.state(model, nnx.Param)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(path.absolute(), nnx.to_pure_dict(state))
         ckptr.wait_until_finished()
-    if version is not None:
+    if version is not None and write_version:
         meta = {"policy_version": version, "model_config": model.cfg.to_json()}
         (path / VERSION_FILE).write_text(json.dumps(meta))
     return path

@@ -173,15 +173,20 @@ def group_rewards(g: Group, grpo: GRPOConfig) -> np.ndarray:
 
 
 def assemble(
-    groups: Sequence[Group], rows: int, buckets: Sequence[int], grpo: GRPOConfig | None = None
+    groups: Sequence[Group],
+    rows: int,
+    buckets: Sequence[int],
+    grpo: GRPOConfig | None = None,
+    length: int | None = None,
 ) -> tuple[Batch, list[Member]]:
     """A batch of exactly ``rows`` rows (padding rows have ``valid`` 0) and the members in
-    row order, with each group's advantages (:mod:`pipeline.train.advantages`)."""
+    row order, with each group's advantages (:mod:`pipeline.train.advantages`); its length
+    is the bucket of the longest member, or ``length`` (the group's agreed one)."""
     grpo = grpo or GRPOConfig()
     members = [m for g in groups for m in (g.members[i] for i in sorted(g.members))]
-    longest = max(m.trajectory.num_tokens for m in members)
-    t = bucket_for(longest, buckets)
-    if t is None:
+    longest = max((m.trajectory.num_tokens for m in members), default=0)
+    t = bucket_for(longest, buckets) if length is None else length
+    if t is None or longest > t:
         raise ValueError(f"trajectory of {longest} tokens exceeds the largest bucket")
     tokens = np.zeros((rows, t), np.int32)
     mask = np.zeros((rows, t), np.float32)

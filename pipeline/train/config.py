@@ -165,6 +165,13 @@ class TrainerConfig:
     #: devices along the tensor axis: attention heads, feed-forward width and vocabulary
     #: split over them
     tensor_parallel: int = 1
+    #: trainer processes in this trainer group: one JAX job over all of their devices and
+    #: one Kafka consumer group (each reads its own partitions)
+    members: int = 1
+    #: this process's index in the group, 0 to members - 1 (member 0 announces weights)
+    member_index: int = 0
+    #: host:port of the group's JAX coordinator, which member 0 serves
+    coordinator: str = "127.0.0.1:7477"
     #: the policy: a preset's name (tiny, small, base), a Hugging Face checkpoint directory
     #: (Llama, Qwen2, Qwen3: rlstream model init makes one) or the sizes
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -187,6 +194,20 @@ class TrainerConfig:
                 f"fsdp must be >= 0 and tensor_parallel >= 1, got {self.fsdp}, "
                 f"{self.tensor_parallel}"
             )
+        if self.members < 1 or not 0 <= self.member_index < self.members:
+            raise InvalidConfigError(
+                f"member_index must be in 0..members-1, got member_index={self.member_index} "
+                f"members={self.members}"
+            )
+        if self.groups_per_batch % self.members:
+            raise InvalidConfigError(
+                f"{self.groups_per_batch} groups per batch do not split evenly over "
+                f"{self.members} trainer members"
+            )
+        if self.members > 1 and (
+            ":" not in self.coordinator or not self.coordinator.rsplit(":", 1)[1].isdigit()
+        ):
+            raise InvalidConfigError(f"coordinator must be host:port, got {self.coordinator!r}")
         if self.fsdp and (self.rows // self.grpo.minibatches) % self.fsdp:
             raise InvalidConfigError(
                 f"a minibatch of {self.rows // self.grpo.minibatches} rows does not split "

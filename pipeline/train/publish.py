@@ -24,10 +24,15 @@ class WeightsPublisher:
     """Saves ``weights/v<N>`` under the run directory and announces it with ``producer``
     (None: saved only, as when training from a recording)."""
 
-    def __init__(self, cfg: TrainerConfig, producer: Any, tokenizer_id: str) -> None:
+    def __init__(
+        self, cfg: TrainerConfig, producer: Any, tokenizer_id: str, lead: bool = True
+    ) -> None:
         self.cfg = cfg
         self.producer = producer
         self.tokenizer_id = tokenizer_id
+        #: in a trainer group every member saves its shards of the parameters; the lead
+        #: (member 0) alone writes the version file, announces and prunes
+        self.lead = lead
 
     def publish(self, version: int, step: int, model: Callable[[], Any], m: dict[str, Any]) -> Path:
         """Version ``version`` of the policy (``model()`` builds it, only if its
@@ -35,11 +40,12 @@ class WeightsPublisher:
         announcement."""
         path = self.cfg.run_dir / "weights" / f"v{version}"
         if not path.exists():
-            save_params(path, model(), version)
+            save_params(path, model(), version, write_version=self.lead)
         metrics = {k: v for k, v in m.items() if isinstance(v, float)}
-        if self.producer is not None:
+        if self.producer is not None and self.lead:
             self._announce(path, version, step, metrics)
-        self._prune()
+        if self.lead:
+            self._prune()
         return path
 
     def _announce(self, path: Path, version: int, step: int, metrics: dict[str, float]) -> None:

@@ -56,6 +56,7 @@ from pipeline.train.config import TrainerConfig
 from pipeline.train.contract import RecordContract
 from pipeline.train.grpo import init_state, make_train_step
 from pipeline.train.intake import DeadLetters, RecordJudge
+from pipeline.train.members import Members, member_dir
 from pipeline.train.mesh import batch_sharding, make_mesh, state_shardings
 from pipeline.train.positions import PositionTracker
 from pipeline.train.publish import WeightsPublisher
@@ -82,27 +83,35 @@ class Trainer:
         self.on_step = on_step
         self.stop_event = threading.Event()
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        self.members = Members(cfg.members, cfg.member_index, cfg.coordinator)  # before JAX runs
+        #: this member's own files (ledger, metrics); checkpoints and weights are shared
+        self.own_dir = member_dir(cfg.run_dir, self.members.index)
+        self.own_dir.mkdir(parents=True, exist_ok=True)
         self.tx = cfg.grpo.optimizer()
         self.tokenizer = tokenizer_for(cfg.model.path)
         self.mesh = make_mesh(cfg.fsdp, cfg.tensor_parallel)
+        self.members.check_mesh(self.mesh)
         self.graphdef, state = init_state(
             initial_model(cfg.model, cfg.seed, training=True),
             self.tx,
             reference=cfg.grpo.kl_coef > 0,
         )
         shardings = state_shardings(state, self.mesh)
-        self.state = jax.device_put(state, shardings)
+        self.state = self.members.put(state, shardings)
         del state
+        self.batch_sharding = batch_sharding(self.mesh)
         self.train_step = make_train_step(
             self.graphdef,
             cfg.grpo,
             self.tx,
             donate=True,
-            shardings=(shardings, batch_sharding(self.mesh)),
+            shardings=(shardings, self.batch_sharding),
         )
-        self.ledger = Ledger(cfg.run_dir / "ledger.jsonl")
-        self.metrics_path = cfg.run_dir / "metrics.jsonl"
-        self.scalars = ScalarWriter(cfg.run_dir / "tensorboard")  # the same rows, for TensorBoard
+        #: this member's groups and rows of a global batch
+        self.quota = cfg.groups_per_batch // self.members.count
+        self.ledger = Ledger(self.own_dir / "ledger.jsonl")
+        self.metrics_path = self.own_dir / "metrics.jsonl"
+        self.scalars = ScalarWriter(self.own_dir / "tensorboard")  # the same rows, for TensorBoard
         self.tracker = PositionTracker()
         self.version = 0
         self.version_times: dict[int, int] = {}
@@ -131,7 +140,7 @@ class Trainer:
             (cfg.run_dir / "checkpoints").absolute(),
             options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep_checkpoints, create=True),
         )
-        self._restore()
+        self._restore(recording=source is not None)
         self.source = source
         if source is not None:
             self.consumer = source
@@ -139,17 +148,18 @@ class Trainer:
             self.producer: Any = None
             self.dead_letters = DeadLetters(None, cfg.namespace, cfg.trainer_id)
             self.publisher = WeightsPublisher(
-                cfg, None, self.tokenizer.id
+                cfg, None, self.tokenizer.id, lead=self.members.lead
             )  # saved, never announced
             return
         if kafka is None:
             raise InvalidConfigError("a trainer needs a Kafka cluster or a recording")
         # Static membership: a trainer restarted under the same instance id gets its
         # partitions back at once instead of waiting for the old session to time out.
+        instance = cfg.instance if not self.members.many else f"{cfg.instance}.{cfg.member_index}"
         self.consumer = kafka.consumer(
             f"{cfg.namespace}.trainer",
             **{
-                "group.instance.id": f"{cfg.namespace}.trainer.{cfg.instance}",
+                "group.instance.id": f"{cfg.namespace}.trainer.{instance}",
                 "session.timeout.ms": 30000,
             },
         )
@@ -160,7 +170,9 @@ class Trainer:
         )
         self.producer = kafka.producer()
         self.dead_letters = DeadLetters(self.producer, cfg.namespace, cfg.trainer_id)
-        self.publisher = WeightsPublisher(cfg, self.producer, self.tokenizer.id)
+        self.publisher = WeightsPublisher(
+            cfg, self.producer if self.members.lead else None, self.tokenizer.id, self.members.lead
+        )
 
     @property
     def deadlettered(self) -> int:
@@ -172,7 +184,7 @@ class Trainer:
 
     # ---- restore and positions --------------------------------------------------------
 
-    def _restore(self) -> None:
+    def _restore(self, recording: bool) -> None:
         step = self.ckpt.latest_step()
         if step is None:
             return
@@ -185,10 +197,23 @@ class Trainer:
         )
         self.state = restored["state"]
         meta = restored["meta"]
+        group = meta.get("members", [{"seq": meta["seq"], "positions": meta["positions"]}])
+        if len(group) != self.members.count:
+            raise InvalidConfigError(
+                f"the checkpoint in {self.cfg.run_dir / 'checkpoints'} was written by a trainer "
+                f"group of {len(group)} member(s): restart it with members={len(group)}, or "
+                "train into a new run directory"
+            )
         self.version = int(meta["version"])
         self.version_times = {int(k): int(v) for k, v in meta["version_times"].items()}
-        self.tracker = PositionTracker.from_json(meta["positions"])
-        removed = self.ledger.truncate_after(int(meta["seq"]))
+        # every member's positions: whichever partitions this member is given, the
+        # checkpoint decides where it resumes (each member of a recording has its own
+        # share of every partition)
+        positions: dict[str, Any] = {}
+        for member in [group[self.members.index]] if recording else group:
+            positions.update(member["positions"])
+        self.tracker = PositionTracker.from_json(positions)
+        removed = self.ledger.truncate_after(int(group[self.members.index]["seq"]))
         log.info(
             "restored checkpoint step=%d version=%d ledger_lines_removed=%d",
             step,
@@ -229,17 +254,10 @@ class Trainer:
                 [self._pattern], on_assign=self._on_assign, on_revoke=self._on_revoke
             )
         try:
-            while not self.stop_event.is_set():
-                if self.cfg.max_steps is not None and step >= self.cfg.max_steps:
-                    break
-                if self.source is not None and self.source.exhausted:
-                    if len(self.ready):  # the recording's last, partial batch
-                        step = self._train()
-                        continue
-                    break
+            while True:
                 t0 = time.perf_counter()
                 # block on Kafka only when there is no batch to train
-                starving = len(self.ready) < self.cfg.groups_per_batch
+                starving = len(self.ready) < self.quota
                 with span("consume", "kafka"):
                     msgs = self.consumer.consume(256, 0.2 if starving else 0)
                 t1 = time.perf_counter()
@@ -256,15 +274,14 @@ class Trainer:
                 if time.monotonic() - last_skip_check > 2.0:
                     self._skip_stale_ranges()
                     last_skip_check = time.monotonic()
-                if len(self.ready) >= self.cfg.groups_per_batch or (
-                    len(self.ready)
-                    and self.source is None
-                    and time.monotonic() - self._last_step > self.cfg.batch_timeout_s
-                ):  # a partial batch (padding rows) rather than waiting forever
+                action = self._next_action(step)
+                if action == "stop":
+                    break
+                if action == "train":
                     step = self._train()
-                if self.ledger.dirty and time.monotonic() - self._last_checkpoint > 10.0:
+                elif action == "checkpoint":
                     self._checkpoint(announce=False)  # settle drops even when not training
-            if self.ledger.dirty:
+            if self.members.agree([self.ledger.dirty])[:, 0].any():
                 self._checkpoint(announce=False)
         finally:
             self.consumer.close()
@@ -273,15 +290,43 @@ class Trainer:
             self.ckpt.wait_until_finished()
         return step
 
+    def _next_action(self, step: int) -> str:
+        """What every member does next, agreed (one member alone decides by itself):
+        ``stop``, ``train`` (a full batch at every member; or, rather than wait forever, a
+        partial one once a member's batch timeout passed or the recording ended),
+        ``checkpoint`` (settle drops while not training) or ``wait``."""
+        now = time.monotonic()
+        stop = self.stop_event.is_set() or (
+            self.cfg.max_steps is not None and step >= self.cfg.max_steps
+        )
+        exhausted = self.source is not None and self.source.exhausted
+        timed_out = (
+            self.source is None
+            and len(self.ready) > 0
+            and now - self._last_step > self.cfg.batch_timeout_s
+        )
+        due = self.ledger.dirty and now - self._last_checkpoint > 10.0
+        stops, ends, ready, late, dues = self.members.agree(
+            [stop, exhausted, len(self.ready), timed_out, due]
+        ).T
+        if stops.any():
+            return "stop"
+        if (ready >= self.quota).all() or late.any():
+            return "train"
+        if ends.all():  # the recording's last, partial batch, then the end
+            return "train" if ready.any() else "stop"
+        return "checkpoint" if dues.any() else "wait"
+
     def warm_up(self) -> None:
         """Compile the step for every length bucket now, on an all-padding batch (its
         result is discarded), so that no step compiles once training runs."""
         from pipeline.train.grpo import Batch
 
         for t in sorted(self.cfg.buckets):
-            if self.stop_event.is_set():  # a stop during start-up is not held up by compiles
+            # a stop during start-up is not held up by compiles (a group stops together)
+            if self.members.agree([self.stop_event.is_set()])[:, 0].any():
                 return
-            r = self.cfg.rows
+            r = self.cfg.rows // self.members.count
             empty = Batch(
                 np.zeros((r, t), np.int32),
                 np.zeros((r, t), np.float32),
@@ -291,7 +336,8 @@ class Trainer:
             )
             # the step consumes the state it is given: compile on a copy
             copy = jax.tree.map(jnp.copy, self.state)
-            jax.block_until_ready(self.train_step(copy, empty))
+            batch = self.members.batch(empty, self.batch_sharding)
+            jax.block_until_ready(self.train_step(copy, batch))
 
     def _intake(self, m: Any) -> None:
         err = m.error()
@@ -377,8 +423,8 @@ class Trainer:
         """Up to a batch of ready groups, dropping those that went stale while they
         waited (the version moved on since they passed the filter)."""
         groups: list[Any] = []
-        while len(groups) < self.cfg.groups_per_batch and len(self.ready):
-            for g in self.ready.take(self.cfg.groups_per_batch - len(groups)):
+        while len(groups) < self.quota and len(self.ready):
+            for g in self.ready.take(self.quota - len(groups)):
                 oldest = min(m.trajectory.min_version for m in g.members.values())
                 if oldest >= 0 and self._stale(oldest):
                     self._drop_group(g, "stale")
@@ -395,14 +441,29 @@ class Trainer:
         t0 = time.perf_counter()
         with span("staleness_filter", "train"):
             groups = self._fresh_groups()
-        if not groups:
+        longest = max(
+            (m.trajectory.num_tokens for g in groups for m in g.members.values()), default=0
+        )
+        # every member's groups and the bucket its longest needs: one batch shape for all
+        counts, lengths = self.members.agree(
+            [len(groups), (bucket_for(longest, self.cfg.buckets) or 0) if groups else 0]
+        ).T
+        if not counts.any():
             return int(self.state.step)
         with span("batch_assembly", "train", groups=len(groups)):
-            batch, members = assemble(groups, self.cfg.rows, self.cfg.buckets, self.cfg.grpo)
+            batch, members = assemble(
+                groups,
+                self.cfg.rows // self.members.count,
+                self.cfg.buckets,
+                self.cfg.grpo,
+                length=int(lengths.max()),
+            )
         t1 = time.perf_counter()
         self.timers["assemble"] += t1 - t0
         with span("train_step", "train", step=int(self.state.step) + 1, trained=len(members)):
-            self.state, metrics = self.train_step(self.state, batch)
+            self.state, metrics = self.train_step(
+                self.state, self.members.batch(batch, self.batch_sharding)
+            )
             m: dict[str, Any] = {k: float(v) for k, v in jax.device_get(metrics).items()}
             if self.cfg.step_delay_s:
                 time.sleep(self.cfg.step_delay_s)
@@ -514,11 +575,15 @@ class Trainer:
         seq = self.ledger.close_step(step, self.version)
         if announce:
             self.version_times[self.version] = int(time.time() * 1000)
+        # every member's ledger line and positions, in one checkpoint the group saves
+        # together (numbered by the furthest ledger, so numbers only grow)
+        group = self.members.gather_json({"seq": seq, "positions": self._own_positions()})
         meta = {
             "seq": seq,
             "step": step,
             "version": self.version,
-            "positions": self.tracker.to_json(),
+            "positions": group[0]["positions"],
+            "members": group,
             "version_times": {
                 str(k): v
                 for k, v in self.version_times.items()
@@ -527,7 +592,7 @@ class Trainer:
         }
         with span("checkpoint_save", "train", step=step, version=self.version):
             self.ckpt.save(
-                seq,
+                max(int(g["seq"]) for g in group),
                 args=ocp.args.Composite(
                     state=ocp.args.StandardSave(self.state), meta=ocp.args.JsonSave(meta)
                 ),
@@ -539,11 +604,13 @@ class Trainer:
         # far it has read, less the records it read that still wait for training, so
         # that ``high - progress`` counts every record not yet trained or dropped (the
         # committed offset alone would also count the settled records above it).
+        owned = self._own_positions()
         offsets = [
             confluent_kafka.TopicPartition(
                 t, p, self.tracker.low((t, p)), str(self._progress((t, p)))
             )
             for t, p in self.tracker.partitions()
+            if f"{t}:{p}" in owned
         ]
         if offsets:
             try:
@@ -556,6 +623,15 @@ class Trainer:
         if announce:
             with span("announce", "train", step=step, version=self.version):
                 self._announce(step, metrics or {})
+
+    def _own_positions(self) -> dict[str, Any]:
+        """The positions this member saves: in a group, only those of the partitions it
+        owns now (a partition's positions are its owner's alone)."""
+        positions = self.tracker.to_json()
+        if not self.members.many or self.source is not None:
+            return positions
+        owned = {f"{tp.topic}:{tp.partition}" for tp in self.consumer.assignment()}
+        return {k: v for k, v in positions.items() if k in owned}
 
     def _progress(self, tp: tuple[str, int]) -> int:
         return self.tracker.next(tp) - self.tracker.pending_count(tp)
