@@ -72,6 +72,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     kafka = None if source else kafka_config(args)
     trainer = Trainer(cfg, kafka, on_step=progress, source=source)
+    stop.install()  # again: joining a JAX job installs JAX's own SIGTERM handler
     metrics = (cfg.metrics_port, cfg.metrics_host)
     step = run_process(args, trainer, stop, kafka, cfg.namespace, cfg.trainer_id, metrics)
     result = {

@@ -464,12 +464,13 @@ class LedgerIndex:
 
     @classmethod
     def load(cls, run_dir: Path) -> LedgerIndex:
-        from pipeline.records.ledger import read_ledger
+        from pipeline.records.ledger import read_ledger, run_ledger
 
         path = run_dir / "ledger.jsonl" if run_dir.is_dir() else run_dir
         if not path.exists():
             raise RlstreamError(f"no ledger at {path}")
-        entries = read_ledger(path)
+        # a run directory: every trainer member's ledger
+        entries = run_ledger(run_dir) if run_dir.is_dir() else read_ledger(path)
         trained, dropped, ranges = {}, {}, []
         for e in entries:
             for tid, *_ in e["trained"]:

@@ -40,6 +40,9 @@ class RunConfig:
     env_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     #: producer processes
     producers: int = 1
+    #: trainer processes: one JAX job over all their devices (the batch split over them)
+    #: and one consumer group; one that fails restarts them all from the last checkpoint
+    trainers: int = 1
     #: episodes in flight per producer
     concurrency: int = _P.concurrency
     #: trainer steps
@@ -82,8 +85,10 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         make(self.env, **self.env_options)  # a clear error now, not in a child
-        if self.producers < 1 or self.steps < 1 or self.concurrency < 1:
-            raise InvalidConfigError("producers, steps and concurrency must be at least 1")
+        if min(self.producers, self.trainers, self.steps, self.concurrency) < 1:
+            raise InvalidConfigError(
+                "producers, trainers, steps and concurrency must be at least 1"
+            )
         if self.metrics_port is not None and not 0 < self.metrics_port <= 65535 - self.producers:
             raise InvalidConfigError(
                 f"--metrics-port: ports {self.metrics_port}..{self.metrics_port + self.producers} "
@@ -112,22 +117,34 @@ class RunConfig:
     def _metrics_port(self, offset: int) -> int | None:
         return None if self.metrics_port is None else self.metrics_port + offset
 
-    def trainer(self, namespace: str, run_dir: Path) -> TrainerConfig:
-        """The trainer's configuration in this run."""
+    def trainer(
+        self, namespace: str, run_dir: Path, member: int = 0, coordinator: str = ""
+    ) -> TrainerConfig:
+        """Trainer member ``member``'s configuration in this run (the trainer's, with one
+        member): a group of several trains over all of its members' devices."""
+        group = {}
+        if self.trainers > 1:
+            group = {
+                "members": self.trainers,
+                "member_index": member,
+                "coordinator": coordinator or TrainerConfig.coordinator,
+                "fsdp": 0,
+            }
         return TrainerConfig(
             namespace=namespace,
             run_dir=run_dir,
-            trainer_id="trainer",
+            trainer_id="trainer" if member == 0 else f"trainer-{member}",
             groups_per_batch=self.groups_per_batch,
             group_size=self.group_size,
             max_staleness=0 if self.sync else self.max_staleness,
             batch_timeout_s=3600.0 if self.sync else TrainerConfig.batch_timeout_s,
             max_steps=self.steps,
             seed=self.seed,
-            metrics_port=self._metrics_port(0),
+            metrics_port=self._metrics_port(0) if member == 0 else None,
             metrics_host=self.metrics_host,
             model=self.model,
             grpo=self.grpo,
+            **group,  # type: ignore[arg-type]
         )
 
     def producer(self, i: int, namespace: str, run_dir: Path) -> ProducerConfig:

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -52,6 +53,13 @@ class RunResult:
     figures: dict[str, Any]
     report: Path
     failure: str = ""
+
+
+def free_coordinator() -> str:
+    """A loopback address for a trainer group's JAX coordinator, on a port free now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 def child_environment(kafka: KafkaConfig) -> dict[str, str]:
@@ -109,13 +117,21 @@ class Run:
         kafka_flags = [f"--kafka-option={k}={v}" for k, v in self.kafka.extra.items()]
         env = child_environment(self.kafka)
         configs = rd / "configs"
-        trainer_file = write_file(cfg.trainer(self.namespace, rd), configs / "trainer.json")
-        trainer = Child(
-            "trainer",
-            ["train", f"--config={trainer_file}", *kafka_flags],
-            rd / "logs" / "trainer.log",
-            env,
-        )
+        coordinator = free_coordinator()
+        trainers = []
+        for i in range(cfg.trainers):
+            name = "trainer" if i == 0 else f"trainer-{i}"
+            path = write_file(
+                cfg.trainer(self.namespace, rd, i, coordinator), configs / f"{name}.json"
+            )
+            trainers.append(
+                Child(
+                    name,
+                    ["train", f"--config={path}", *kafka_flags],
+                    rd / "logs" / f"{name}.log",
+                    env,
+                )
+            )
         producers = []
         for i in range(cfg.producers):
             name = f"producer-{i}"
@@ -128,7 +144,7 @@ class Run:
                     env,
                 )
             )
-        return [trainer, *producers]
+        return [*trainers, *producers]
 
     # ---- the run -----------------------------------------------------------------------
 
@@ -212,7 +228,7 @@ class Run:
         status, failure = "completed", ""
         launched = time.time()
         self.say(
-            f"starting 1 trainer and {self.cfg.producers} producer(s) "
+            f"starting {self.cfg.trainers} trainer(s) and {self.cfg.producers} producer(s) "
             f"({'synchronous' if self.cfg.sync else 'asynchronous'}), logs in {rd / 'logs'}"
         )
         try:
@@ -288,8 +304,21 @@ class Run:
                 )
                 if bad.restarts < self.cfg.restarts:
                     bad.restarts += 1
-                    self.say(f"{message}\nrestarting {bad.name} ({bad.restarts})")
-                    bad.start()
+                    group = supervisor.children[: self.cfg.trainers]
+                    if self.cfg.trainers > 1 and bad in group:
+                        # one JAX job: the members restart together from the checkpoint
+                        self.say(f"{message}\nrestarting the trainer group ({bad.restarts})")
+                        supervisor.stop(group, grace_s=10.0)
+                        coordinator = f"--coordinator={free_coordinator()}"
+                        for c in group:
+                            c.args = [
+                                *[a for a in c.args if not a.startswith("--coordinator=")],
+                                coordinator,
+                            ]
+                            c.start()
+                    else:
+                        self.say(f"{message}\nrestarting {bad.name} ({bad.restarts})")
+                        bad.start()
                     self._write_processes(supervisor.children)
                     continue
                 self.say(message)
@@ -371,7 +400,7 @@ class Display:
         else:
             parts.append("step 0 (compiling, waiting for the first batch)")
         total_rate, versions = 0.0, []
-        for c in children[1:]:
+        for c in children[cfg.trainers :]:
             r = last_json(rd / "producers" / f"{c.name}.jsonl")
             if r is None:
                 versions.append(f"{c.name}=starting")

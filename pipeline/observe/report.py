@@ -15,7 +15,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from pipeline.records.ledger import read_ledger
+from pipeline.records.ledger import run_ledger
 
 STALE_REASONS = ("stale", "stale_range")
 
@@ -66,8 +66,7 @@ def producer_status(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
 
 def ledger_summary(run_dir: Path) -> dict[str, Any]:
     """What the durable ledger says: records trained, records dropped by reason."""
-    path = run_dir / "ledger.jsonl"
-    entries = read_ledger(path) if path.exists() else []
+    entries = run_ledger(run_dir)
     dropped: Counter[str] = Counter()
     for e in entries:
         for d in e["dropped"]:

@@ -7,6 +7,10 @@ carry a sequence number ``seq``; a checkpoint records the ``seq`` of the last li
 covers, lines are durable before their checkpoint is written, and after a restart the
 lines above the restored checkpoint's ``seq`` are removed (that work is done again). So
 the ledger always describes exactly what the durable state contains.
+
+A trainer group of several processes keeps one ledger per member: member 0's in the run
+directory, member ``i``'s in ``members/<i>/`` under it (:func:`member_dir`);
+:func:`run_ledger` reads them all as one.
 """
 
 from __future__ import annotations
@@ -79,6 +83,18 @@ class Ledger:
 
 def read_ledger(path: Path) -> list[dict[str, Any]]:
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+def member_dir(run_dir: Path, index: int) -> Path:
+    """Where trainer member ``index`` keeps its own files (ledger, metrics): the run
+    directory for member 0 (and a trainer alone), ``members/<i>`` under it for others."""
+    return run_dir if index == 0 else run_dir / "members" / str(index)
+
+
+def run_ledger(run_dir: Path) -> list[dict[str, Any]]:
+    """Every member's ledger lines of the run in ``run_dir`` (none if it has none)."""
+    paths = [run_dir / "ledger.jsonl", *sorted((run_dir / "members").glob("*/ledger.jsonl"))]
+    return [e for p in paths if p.exists() for e in read_ledger(p)]
 
 
 def outcomes(entries: list[dict[str, Any]]) -> dict[tuple[str, int, int], list[str]]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -30,12 +29,6 @@ log = logging.getLogger(__name__)
 
 #: seconds a member waits at start for every other member to join
 JOIN_TIMEOUT_S = 300
-
-
-def member_dir(run_dir: Path, index: int) -> Path:
-    """Where a member keeps its own files (ledger, metrics): the run directory for member
-    0 (and a trainer alone), ``members/<i>`` under it for the others."""
-    return run_dir if index == 0 else run_dir / "members" / str(index)
 
 
 class Members:

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
+import zlib
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -42,7 +44,7 @@ from pipeline.observe.tensorboard import ScalarWriter, flatten
 from pipeline.policy.hf_weights import initial_model
 from pipeline.policy.model import all_finite
 from pipeline.policy.tokenizer import tokenizer_for
-from pipeline.records.ledger import Ledger
+from pipeline.records.ledger import Ledger, member_dir
 from pipeline.train.advantages import zero_variance
 from pipeline.train.batching import (
     GroupBuffer,
@@ -56,7 +58,7 @@ from pipeline.train.config import TrainerConfig
 from pipeline.train.contract import RecordContract
 from pipeline.train.grpo import init_state, make_train_step
 from pipeline.train.intake import DeadLetters, RecordJudge
-from pipeline.train.members import Members, member_dir
+from pipeline.train.members import Members
 from pipeline.train.mesh import batch_sharding, make_mesh, state_shardings
 from pipeline.train.positions import PositionTracker
 from pipeline.train.publish import WeightsPublisher
@@ -64,6 +66,11 @@ from pipeline.train.samples import trainer_samples
 from pipeline.train.stale import StaleRanges
 
 log = logging.getLogger(__name__)
+
+
+def _split(key: str) -> tuple[str, int]:
+    topic, _, partition = key.rpartition(":")
+    return topic, int(partition)
 
 
 class Trainer:
@@ -187,6 +194,11 @@ class Trainer:
     def _restore(self, recording: bool) -> None:
         step = self.ckpt.latest_step()
         if step is None:
+            # lines of a start that died before its first checkpoint describe nothing
+            # durable: that work is done again
+            removed = self.ledger.truncate_after(0)
+            if removed:
+                log.info("no checkpoint yet: ledger_lines_removed=%d", removed)
             return
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, self.state)
         restored = self.ckpt.restore(
@@ -221,7 +233,44 @@ class Trainer:
             removed,
         )
 
-    def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
+    def _subscribe(self) -> None:
+        """A trainer alone subscribes to every rollout topic (static membership: a
+        restart under the same instance id gets its partitions back at once). Members of
+        a group take their partitions by member index instead (:meth:`_assign_mine`):
+        the group restarts as a whole, so no partition ever moves between members, and
+        none can be trained by two members from two views of its positions."""
+        if self.members.many:
+            self._assign_mine()
+        else:
+            self.consumer.subscribe(
+                [self._pattern], on_assign=self._on_assign, on_revoke=self._on_revoke
+            )
+
+    def _assign_mine(self) -> None:
+        """Assign this member the rollout partitions it owns and does not read yet:
+        partition ``p`` of topic ``t`` belongs to member ``(crc32(t) + p) % members``,
+        which never changes as topics and partitions are added."""
+        try:
+            topics = self.consumer.list_topics(timeout=10).topics
+        except confluent_kafka.KafkaException as e:
+            log.warning("rollout topics not listed (tried again shortly): %s", e)
+            return
+        rx = re.compile(self._pattern)
+        current = {(tp.topic, tp.partition) for tp in self.consumer.assignment()}
+        new = [
+            confluent_kafka.TopicPartition(t, p)
+            for t, md in sorted(topics.items())
+            if rx.match(t)
+            for p in sorted(md.partitions)
+            if self._owns(t, p) and (t, p) not in current
+        ]
+        if new:
+            self._on_assign(self.consumer, new, incremental=True)
+
+    def _owns(self, topic: str, partition: int) -> bool:
+        return (zlib.crc32(topic.encode()) + partition) % self.members.count == self.members.index
+
+    def _on_assign(self, consumer: Any, partitions: list[Any], incremental: bool = False) -> None:
         known = set(self.tracker.partitions())
         stale_until = self._stale_until([p for p in partitions if (p.topic, p.partition) in known])
         for tp in partitions:
@@ -229,7 +278,10 @@ class Trainer:
             if key in known:  # the checkpoint decides, whatever Kafka's committed offset says
                 low = self.tracker.low(key)
                 tp.offset = self._settle_stale(key, low, stale_until.get(key, low))
-        consumer.assign(partitions)
+        if incremental:
+            consumer.incremental_assign(partitions)
+        else:
+            consumer.assign(partitions)
         log.info("assigned partitions=%s", [(p.topic, p.partition, p.offset) for p in partitions])
 
     def _on_revoke(self, consumer: Any, partitions: list[Any]) -> None:
@@ -250,9 +302,7 @@ class Trainer:
         step = int(self.state.step)
         self.warm_up()
         if self.source is None and not self.stop_event.is_set():
-            self.consumer.subscribe(
-                [self._pattern], on_assign=self._on_assign, on_revoke=self._on_revoke
-            )
+            self._subscribe()
         try:
             while True:
                 t0 = time.perf_counter()
@@ -274,6 +324,8 @@ class Trainer:
                 if time.monotonic() - last_skip_check > 2.0:
                     self._skip_stale_ranges()
                     last_skip_check = time.monotonic()
+                    if self.members.many and self.source is None:
+                        self._assign_mine()  # partitions that appeared since
                 action = self._next_action(step)
                 if action == "stop":
                     break
@@ -292,9 +344,14 @@ class Trainer:
 
     def _next_action(self, step: int) -> str:
         """What every member does next, agreed (one member alone decides by itself):
-        ``stop``, ``train`` (a full batch at every member; or, rather than wait forever, a
-        partial one once a member's batch timeout passed or the recording ended),
-        ``checkpoint`` (settle drops while not training) or ``wait``."""
+        ``stop``, ``train``, ``checkpoint`` (settle drops while not training) or ``wait``.
+
+        A group trains when every member has its share of a batch ready; from Kafka also
+        when the members hold a batch's groups between them, however unevenly (each
+        contributes up to its share, the rest waits for the next step: no member's dry
+        partitions stall the others), and, rather than wait forever, a partial batch
+        once a member's batch timeout passed. From a recording, where each member's share
+        is fixed, only full shares, and at its end what is left."""
         now = time.monotonic()
         stop = self.stop_event.is_set() or (
             self.cfg.max_steps is not None and step >= self.cfg.max_steps
@@ -311,7 +368,9 @@ class Trainer:
         ).T
         if stops.any():
             return "stop"
-        if (ready >= self.quota).all() or late.any():
+        if (ready >= self.quota).all():
+            return "train"
+        if self.source is None and (ready.sum() >= self.cfg.groups_per_batch or late.any()):
             return "train"
         if ends.all():  # the recording's last, partial batch, then the end
             return "train" if ready.any() else "stop"
@@ -626,12 +685,11 @@ class Trainer:
 
     def _own_positions(self) -> dict[str, Any]:
         """The positions this member saves: in a group, only those of the partitions it
-        owns now (a partition's positions are its owner's alone)."""
+        owns (a partition's positions are its owner's alone)."""
         positions = self.tracker.to_json()
         if not self.members.many or self.source is not None:
             return positions
-        owned = {f"{tp.topic}:{tp.partition}" for tp in self.consumer.assignment()}
-        return {k: v for k, v in positions.items() if k in owned}
+        return {k: v for k, v in positions.items() if self._owns(*_split(k))}
 
     def _progress(self, tp: tuple[str, int]) -> int:
         return self.tracker.next(tp) - self.tracker.pending_count(tp)

@@ -72,8 +72,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _train(recording: Path, run_dir: Path, devices: int, *flags: str) -> subprocess.Popen[str]:
-    cmd = [
+def _command(recording: Path, run_dir: Path, *flags: str) -> list[str]:
+    return [
         sys.executable,
         "-m",
         "pipeline.cli",
@@ -97,6 +97,10 @@ def _train(recording: Path, run_dir: Path, devices: int, *flags: str) -> subproc
         "--json",
         *flags,
     ]
+
+
+def _train(recording: Path, run_dir: Path, devices: int, *flags: str) -> subprocess.Popen[str]:
+    cmd = _command(recording, run_dir, *flags)
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -193,3 +197,23 @@ def test_a_group_that_cannot_split_its_batch_evenly_is_refused() -> None:
         TrainerConfig(members=2, member_index=2)
     with pytest.raises(InvalidConfigError, match="coordinator must be host:port"):
         TrainerConfig(members=2, coordinator="localhost")
+
+
+def test_ledger_lines_of_a_start_that_died_before_its_first_checkpoint_are_redone(
+    tmp_path: Path,
+) -> None:
+    """The ledger line is durable before the checkpoint: a trainer killed between the two,
+    on its very first checkpoint, leaves a line that no checkpoint covers. The next start
+    removes it (that work is done again) instead of counting it twice."""
+    rec = tmp_path / "rec.avro"
+    _recording(rec, steps=2)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    ghost = {"seq": 1, "step": 1, "version": 1, "trained": [["ghost", "t", 0, 0]], "dropped": []}
+    (run_dir / "ledger.jsonl").write_text(json.dumps(ghost) + "\n")
+    proc = subprocess.run(
+        _command(rec, run_dir), capture_output=True, text=True, timeout=600, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    trained = _trained(run_dir / "ledger.jsonl")
+    assert "ghost" not in trained and len(trained) == len(set(trained)) == 2 * GROUPS * SIZE
