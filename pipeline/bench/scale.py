@@ -9,6 +9,12 @@ devices the measurement runs in a child process that XLA gives four host devices
 there it shows that the numbers are the same whichever way the step is split, and what
 the split costs.
 
+Then the same steps run as a trainer group of two processes of two devices each (one
+``jax.distributed`` job, gloo collectives on CPU, each process feeding its half of every
+batch), split per step into ``data`` (building the global batch from each process's rows),
+``agree`` (the members' agreement before a step) and ``compute`` (the SPMD step itself),
+with ``collectives`` estimated as that step's time less the same mesh's inside one process.
+
 Run as a module (``python -m pipeline.bench.scale``) it prints the result as JSON.
 """
 
@@ -87,6 +93,83 @@ def train(
     return params, float(np.mean(times[1:]))
 
 
+def member(index: int, coordinator: str, steps: int, out: str, rows: int = 16) -> None:
+    """Member ``index`` of a two-process group training ``steps`` batches (member 0 writes
+    the parameters and its timings to ``out``)."""
+    from pipeline.train.members import Members
+
+    members = Members(2, index, coordinator)
+    batches = _batches(MODEL, steps, rows, 64)
+    grpo = GRPOConfig(warmup_steps=1)
+    tx = grpo.optimizer()
+    mesh = make_mesh(0, 1)
+    graphdef, state = init_state(init_model(MODEL, seed=0), tx, reference=False)
+    shardings = state_shardings(state, mesh)
+    state = members.put(state, shardings)
+    sharding = batch_sharding(mesh)
+    step = make_train_step(graphdef, grpo, tx, True, (shardings, sharding))
+    half = rows // 2
+    times: dict[str, list[float]] = {"agree": [], "data": [], "compute": []}
+    for b in batches:
+        t0 = time.perf_counter()
+        members.agree([1, 64])
+        t1 = time.perf_counter()
+        local = Batch(*(np.asarray(x)[index * half : (index + 1) * half] for x in b))
+        batch = members.batch(local, sharding)
+        t2 = time.perf_counter()
+        state, metrics = step(state, batch)
+        jax.block_until_ready(metrics)
+        t3 = time.perf_counter()
+        for k, v in (("agree", t1 - t0), ("data", t2 - t1), ("compute", t3 - t2)):
+            times[k].append(v)
+    params = members.host(state.params)
+    if index == 0:
+        np.savez(out, *[np.asarray(x) for x in jax.tree.leaves(params)])
+        with open(out + ".json", "w") as f:
+            json.dump({k: float(np.mean(v[1:])) for k, v in times.items()}, f)
+
+
+def two_processes(steps: int) -> tuple[list[np.ndarray], dict[str, float]]:
+    """Parameters and per-step seconds of a group of two processes of two devices."""
+    import socket
+    import tempfile
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        coordinator = f"127.0.0.1:{sock.getsockname()[1]}"
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "member0.npz")
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "pipeline.bench.scale",
+                    str(steps),
+                    "--member",
+                    str(i),
+                    coordinator,
+                    out,
+                ],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for i in range(2)
+        ]
+        errors = [p.communicate(timeout=600)[1] for p in procs]
+        for p, err in zip(procs, errors, strict=True):
+            if p.returncode != 0:
+                raise RuntimeError(f"a member of the two-process group failed: {err[-2000:]}")
+        with np.load(out) as z:
+            params = [z[f"arr_{i}"] for i in range(len(z.files))]
+        with open(out + ".json") as f:
+            times: dict[str, float] = json.load(f)
+    return params, times
+
+
 def measure(steps: int = 6, rows: int = 16, length: int = 64) -> dict[str, Any]:
     n = jax.device_count()
     batches = _batches(MODEL, steps, rows, length)
@@ -101,6 +184,23 @@ def measure(steps: int = 6, rows: int = 16, length: int = 64) -> dict[str, Any]:
         figures[f"{fsdp}x{tensor}.step_s"] = step_s
         figures[f"{fsdp}x{tensor}.params_max_abs_diff"] = diff
         figures[f"{fsdp}x{tensor}.scaling_efficiency"] = base_s / (step_s * fsdp * tensor)
+    if n == DEVICES and jax.default_backend() == "cpu":
+        params, t = two_processes(steps)
+        diff = max(float(np.max(np.abs(a - b))) for a, b in zip(params, base, strict=True))
+        worst = max(worst, diff)
+        step_s = t["agree"] + t["data"] + t["compute"]
+        figures.update(
+            {
+                "2p.members": 2.0,
+                "2p.step_s": step_s,
+                "2p.compute_s": t["compute"],
+                "2p.agree_s": t["agree"],
+                "2p.data_s": t["data"],
+                "2p.collectives_s": max(0.0, t["compute"] - figures[f"{n}x1.step_s"]),
+                "2p.params_max_abs_diff": diff,
+                "2p.scaling_efficiency": base_s / (step_s * n),
+            }
+        )
     figures["params_max_abs_diff"] = worst
     return {
         "bench": "scale",
@@ -133,4 +233,7 @@ def run(args: argparse.Namespace, cluster: Any) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(measure(int(sys.argv[1]) if len(sys.argv) > 1 else 6)))
+    if len(sys.argv) > 2 and sys.argv[2] == "--member":
+        member(int(sys.argv[3]), sys.argv[4], int(sys.argv[1]), sys.argv[5])
+    else:
+        print(json.dumps(measure(int(sys.argv[1]) if len(sys.argv) > 1 else 6)))

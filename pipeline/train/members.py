@@ -39,6 +39,13 @@ class Members:
         if members == 1:
             return
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        log.info(
+            "joining trainer group member=%d of %d at %s (waiting up to %d s for the others)",
+            index,
+            members,
+            coordinator,
+            JOIN_TIMEOUT_S,
+        )
         try:
             jax.distributed.initialize(
                 coordinator,

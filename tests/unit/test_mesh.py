@@ -30,9 +30,9 @@ def _child(code: str) -> str:
 
 
 def test_ten_steps_on_every_mesh_of_four_devices_match_one_device() -> None:
-    """1x1 against 4x1, 2x2 and 1x4 (fsdp x tensor), a Qwen2-shaped model with
-    grouped-query attention, biases and an untied output layer, the default learning
-    rate: parameters within 1e-5 after 10 steps."""
+    """1x1 against 4x1, 2x2 and 1x4 (fsdp x tensor) and against two processes of two
+    devices, a Qwen2-shaped model with grouped-query attention, biases and an untied output
+    layer, the default learning rate: parameters within 1e-5 after 10 steps."""
     result = json.loads(
         subprocess.run(
             [sys.executable, "-m", "pipeline.bench.scale", "10"],
@@ -45,8 +45,11 @@ def test_ten_steps_on_every_mesh_of_four_devices_match_one_device() -> None:
     )
     figures = result["figures"]
     assert figures["devices"] == 4
-    for shape in ("4x1", "2x2", "1x4"):
+    for shape in ("4x1", "2x2", "1x4", "2p"):
         assert figures[f"{shape}.params_max_abs_diff"] <= 1e-5, (shape, figures)
+    # two processes of two devices: the step split into its parts
+    assert figures["2p.members"] == 2
+    assert 0 < figures["2p.agree_s"] + figures["2p.data_s"] < figures["2p.step_s"]
 
 
 def test_layers_are_split_by_kind_and_what_does_not_divide_stays_whole() -> None:
