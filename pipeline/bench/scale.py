@@ -131,12 +131,11 @@ def member(index: int, coordinator: str, steps: int, out: str, rows: int = 16) -
 
 def two_processes(steps: int) -> tuple[list[np.ndarray], dict[str, float]]:
     """Parameters and per-step seconds of a group of two processes of two devices."""
-    import socket
     import tempfile
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        coordinator = f"127.0.0.1:{sock.getsockname()[1]}"
+    from pipeline.train.members import free_coordinator
+
+    coordinator = free_coordinator()
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "member0.npz")

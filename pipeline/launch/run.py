@@ -19,7 +19,6 @@ import dataclasses
 import json
 import logging
 import os
-import socket
 import sys
 import threading
 import time
@@ -43,6 +42,7 @@ from pipeline.observe.telemetry import NullTracer, Tracer, install, span
 from pipeline.observe.tensorboard import ScalarWriter
 from pipeline.rollout.evaluate import EvalResult, evaluate_weights, latest_weights
 from pipeline.settings import to_mapping, write_file
+from pipeline.train.members import free_coordinator
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +53,6 @@ class RunResult:
     figures: dict[str, Any]
     report: Path
     failure: str = ""
-
-
-def free_coordinator() -> str:
-    """A loopback address for a trainer group's JAX coordinator, on a port free now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 def child_environment(kafka: KafkaConfig) -> dict[str, str]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 from typing import Any
 
 import jax
@@ -29,6 +30,13 @@ log = logging.getLogger(__name__)
 
 #: seconds a member waits at start for every other member to join
 JOIN_TIMEOUT_S = 300
+
+
+def free_coordinator() -> str:
+    """A loopback address for a trainer group's coordinator, on a port free now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 class Members:

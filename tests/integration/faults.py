@@ -28,6 +28,50 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "pipeline.cli", *args]
 
 
+def guess_trainer(common: list[str], run_dir: Path, *flags: str) -> list[str]:
+    """``rlstream train`` of the ``guess_producer``'s groups, four per step, publishing
+    every step, with short group and batch timeouts (``flags`` add to it)."""
+    return cli(
+        "train",
+        *common,
+        "--run-dir",
+        str(run_dir),
+        "--groups-per-batch",
+        "4",
+        "--group-size",
+        "4",
+        "--publish-every",
+        "1",
+        "--group-timeout-s",
+        "20",
+        "--batch-timeout-s",
+        "3",
+        "--max-staleness",
+        "3",
+        *flags,
+    )
+
+
+def guess_producer(common: list[str], episodes: int, *flags: str) -> list[str]:
+    """``rlstream produce`` of ``episodes`` short ``guess`` episodes in groups of four, 16
+    at a time (``flags`` add to it, e.g. its admission settings)."""
+    return cli(
+        "produce",
+        *common,
+        "--env",
+        "guess",
+        "--concurrency",
+        "16",
+        "--group-size",
+        "4",
+        "--max-episodes",
+        str(episodes),
+        "--max-new-tokens",
+        "4",
+        *flags,
+    )
+
+
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():

@@ -8,7 +8,6 @@ import json
 import random
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -35,6 +34,7 @@ from pipeline.records.ledger import outcomes, read_ledger
 from pipeline.testing import make_trajectory
 from pipeline.train.config import GRPOConfig, TrainerConfig
 from pipeline.train.trainer import Trainer
+from tests.integration.faults import guess_producer, guess_trainer
 
 pytestmark = pytest.mark.integration
 
@@ -186,10 +186,6 @@ def test_bad_records_go_to_the_dead_letter_topic(
     assert set(ids) <= trained
 
 
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "pipeline.cli", *args]
-
-
 @pytest.mark.slow
 def test_sigkilled_trainer_trains_every_trajectory_at_most_once_and_loses_none(
     bootstrap: str, namespace: str, tmp_path: Path
@@ -198,43 +194,11 @@ def test_sigkilled_trainer_trains_every_trajectory_at_most_once_and_loses_none(
     ensure_topics(kafka, namespace_topics(namespace, ["guess"], 2))
     common = ["--bootstrap", bootstrap, "--namespace", namespace]
     producer = subprocess.Popen(
-        _cli(
-            "produce",
-            *common,
-            "--env",
-            "guess",
-            "--concurrency",
-            "16",
-            "--group-size",
-            "4",
-            "--max-episodes",
-            "480",
-            "--max-staleness",
-            "-1",
-            "--max-new-tokens",
-            "4",
-        ),
+        guess_producer(common, 480, "--max-staleness", "-1"),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    train = _cli(
-        "train",
-        *common,
-        "--run-dir",
-        str(tmp_path),
-        "--groups-per-batch",
-        "4",
-        "--group-size",
-        "4",
-        "--publish-every",
-        "1",
-        "--group-timeout-s",
-        "20",
-        "--batch-timeout-s",
-        "3",
-        "--max-staleness",
-        "3",
-    )
+    train = guess_trainer(common, tmp_path)
     log = (tmp_path / "trainer.log").open("ab")
     rng = random.Random(7)
     kills = 0

@@ -7,9 +7,7 @@ from __future__ import annotations
 import json
 import random
 import signal
-import socket
 import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -20,43 +18,21 @@ from pipeline.kafka.client import KafkaConfig
 from pipeline.kafka.topics import ensure_topics, namespace_topics, rollout_topic
 from pipeline.kafka.transport import Decoded, TrajectoryReader
 from pipeline.records.ledger import outcomes, run_ledger
+from pipeline.train.members import free_coordinator
+from tests.integration.faults import cli, guess_producer, guess_trainer
 
 EPISODES = 192
 
 
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "pipeline.cli", *args]
-
-
-def _coordinator() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
-
-
 def _start_group(common: list[str], run_dir: Path, log: object) -> list[subprocess.Popen[bytes]]:
-    coordinator = _coordinator()
+    coordinator = free_coordinator()
     return [
         subprocess.Popen(
-            _cli(
-                "train",
-                *common,
-                "--run-dir",
-                str(run_dir),
-                "--groups-per-batch",
-                "4",
-                "--group-size",
-                "4",
+            guess_trainer(
+                common,
+                run_dir,
                 "--buckets",
                 "128",
-                "--publish-every",
-                "1",
-                "--group-timeout-s",
-                "20",
-                "--batch-timeout-s",
-                "3",
-                "--max-staleness",
-                "3",
                 "--members",
                 "2",
                 "--member-index",
@@ -112,25 +88,15 @@ def test_a_sigkilled_trainer_group_trains_every_record_at_most_once_and_loses_no
     ensure_topics(kafka, namespace_topics(namespace, ["guess"], 4))
     common = ["--bootstrap", bootstrap, "--namespace", namespace]
     producer = subprocess.Popen(
-        _cli(
-            "produce",
-            *common,
-            "--env",
-            "guess",
-            "--concurrency",
-            "16",
-            "--group-size",
-            "4",
-            "--max-episodes",
-            str(EPISODES),
+        guess_producer(
+            common,
+            EPISODES,
             "--max-staleness",
             "3",
             "--trainer-batch",
             "16",
             "--checkpoint-root",
             str(tmp_path),  # it loads the group's weights as they are announced
-            "--max-new-tokens",
-            "4",
         ),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -197,7 +163,7 @@ def test_the_run_starts_a_group_of_two_trainers_and_restarts_it_whole(
     """``rlstream run --trainers 2``: member 1 is SIGKILLed once its first step is done;
     the run restarts both members from the checkpoint and completes its steps."""
     run_dir = tmp_path / "run"
-    cmd = _cli(
+    cmd = cli(
         "run",
         "--bootstrap",
         bootstrap,

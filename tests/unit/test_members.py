@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +27,7 @@ from pipeline.policy.tokenizer import TOKENIZER_ID
 from pipeline.records.codec import to_avro_dict
 from pipeline.testing import make_trajectory
 from pipeline.train.config import TrainerConfig
+from pipeline.train.members import free_coordinator
 
 STEPS, GROUPS, SIZE = 10, 4, 4
 
@@ -64,12 +64,6 @@ def _recording(path: Path, steps: int = STEPS) -> None:
             )
     with path.open("wb") as f:
         fastavro.writer(f, recording_schema(), rows, codec="deflate")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _command(recording: Path, run_dir: Path, *flags: str) -> list[str]:
@@ -142,7 +136,7 @@ def test_one_device_four_devices_and_two_processes_of_two_train_the_same_numbers
     _finish(one)
     four = _train(rec, tmp_path / "1x4", 4, "--fsdp", "4")
     _finish(four)
-    group = ["--members", "2", "--coordinator", f"127.0.0.1:{_free_port()}", "--fsdp", "4"]
+    group = ["--members", "2", "--coordinator", free_coordinator(), "--fsdp", "4"]
     members = [_train(rec, tmp_path / "2x2", 2, *group, "--member-index", str(i)) for i in range(2)]
     outs = [_finish(p) for p in members]
     for out in outs:
