@@ -136,6 +136,8 @@ class Trainer:
         )
         self.judge = RecordJudge(contract, self.tokenizer.id, cfg.max_record_bytes)
         self.commit_failures = 0
+        #: offsets of the last checkpoint whose commit failed (retried until it succeeds)
+        self._uncommitted: list[Any] = []
         self.trained = 0  # samples trained by this process
         self.last_metrics: dict[str, Any] = {}  # the latest step's metrics row
         self.started_at = time.monotonic()
@@ -323,6 +325,7 @@ class Trainer:
                     self._drop_group(g, "buffer_full")
                 if time.monotonic() - last_skip_check > 2.0:
                     self._skip_stale_ranges()
+                    self._commit()  # a commit that failed, again
                     last_skip_check = time.monotonic()
                     if self.members.many and self.source is None:
                         self._assign_mine()  # partitions that appeared since
@@ -671,17 +674,25 @@ class Trainer:
             for t, p in self.tracker.partitions()
             if f"{t}:{p}" in owned
         ]
-        if offsets:
-            try:
-                self.consumer.commit(offsets=offsets, asynchronous=False)
-            except confluent_kafka.KafkaException as e:
-                # the checkpoint holds the positions, so nothing is lost or trained twice:
-                # only producers' view of the lag is behind until the next commit succeeds
-                self.commit_failures += 1
-                log.warning("offset commit failed (the next checkpoint retries): %s", e)
+        self._uncommitted = offsets
+        self._commit()
         if announce:
             with span("announce", "train", step=step, version=self.version):
                 self._announce(step, metrics or {})
+
+    def _commit(self) -> None:
+        """Commit the last checkpoint's offsets. A failure loses nothing (the checkpoint
+        holds the positions) but leaves producers' view of the lag behind, and producers
+        held back by that view send nothing that would make the trainer checkpoint again:
+        so a failed commit is retried every two seconds, not at the next checkpoint."""
+        if not self._uncommitted:
+            return
+        try:
+            self.consumer.commit(offsets=self._uncommitted, asynchronous=False)
+            self._uncommitted = []
+        except confluent_kafka.KafkaException as e:
+            self.commit_failures += 1
+            log.warning("offset commit failed (retried in 2 s): %s", e)
 
     def _own_positions(self) -> dict[str, Any]:
         """The positions this member saves: in a group, only those of the partitions it
