@@ -80,6 +80,7 @@ class Block(nnx.Module):
         k_cache: jax.Array | None,
         v_cache: jax.Array | None,
         write: jax.Array | None,
+        segments: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
         cfg = self.cfg
         b, t, _ = x.shape
@@ -111,6 +112,8 @@ class Block(nnx.Module):
         q = q.reshape(b, kvh, group, t, hd)
         scores = jnp.einsum("bkgqd,bksd->bkgqs", q, keys).astype(jnp.float32) * hd**-0.5
         causal = key_pos[:, None, None, None, :] <= positions[:, None, None, :, None]
+        if segments is not None:  # packed rows: each token attends within its own segment
+            causal &= segments[:, None, None, None, :] == segments[:, None, None, :, None]
         scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
         attn = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
         y = jnp.einsum("bkgqs,bksd->bqkgd", attn, values).reshape(b, t, cfg.num_heads * hd)
@@ -153,9 +156,11 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
 
 
 class Transformer(nnx.Module):
-    """``model(tokens, positions, cache=None, write=None) -> (logits, cache)``.
+    """``model(tokens, positions, cache=None, write=None, segments=None) -> (logits, cache)``.
 
-    Without a cache: a causal pass over ``tokens [B, T]``. With a cache: the tokens are
+    Without a cache: a causal pass over ``tokens [B, T]``; with ``segments [B, T]`` a row
+    holds several sequences (packed), each token attending only to earlier tokens of its
+    own segment, and ``positions`` restart in each. With a cache: the tokens are
     written into the cache at ``positions`` for the rows where ``write [B]`` is true and
     attend to everything in the row's cache at or before their position. The same code
     is the built-in policy and the Llama and Qwen families (:class:`ModelConfig`).
@@ -178,6 +183,7 @@ class Transformer(nnx.Module):
         positions: jax.Array,
         cache: KVCache | None = None,
         write: jax.Array | None = None,
+        segments: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         x = self.embed(tokens)
         ks: list[jax.Array] = []
@@ -185,7 +191,7 @@ class Transformer(nnx.Module):
         for i, block in enumerate(self.blocks):
             kc = None if cache is None else cache.k[i]
             vc = None if cache is None else cache.v[i]
-            x, kc, vc = block(x, positions, kc, vc, write)
+            x, kc, vc = block(x, positions, kc, vc, write, segments)
             if kc is not None and vc is not None:
                 ks.append(kc)
                 vs.append(vc)
@@ -207,14 +213,20 @@ def token_logprobs(model: Transformer, tokens: jax.Array, temperature: float = 1
 
 
 def token_logprobs_and_entropy(
-    model: Transformer, tokens: jax.Array, temperature: float = 1.0
+    model: Transformer,
+    tokens: jax.Array,
+    temperature: float = 1.0,
+    positions: jax.Array | None = None,
+    segments: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``token_logprobs`` and the entropy of each next-token distribution, from one full
     causal pass, in float32 (0 at t = 0): what the trainer differentiates is what the
-    sampler recorded."""
+    sampler recorded. Packed rows pass their ``positions`` and ``segments``; the value at
+    a segment's first token is then computed from another segment and means nothing."""
     b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-    logits, _ = model(tokens, positions)
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    logits, _ = model(tokens, positions, segments=segments)
     logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32) / temperature, axis=-1)
     picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
     entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)

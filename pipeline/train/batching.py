@@ -5,8 +5,10 @@ group past its timeout is dropped; the buffer is bounded and drops its oldest gr
 full). A member that repeats a group index or a trajectory id already in its group, or
 arrives for a group completed recently, is refused as ``duplicate``; one of another
 environment than its group as ``env_mismatch``: the caller settles it with that reason.
-:func:`assemble` turns complete groups into a :class:`~pipeline.train.grpo.Batch`
-padded to a length bucket, so that the jitted step sees a handful of shapes only.
+:func:`assemble` turns complete groups into a :class:`~pipeline.train.grpo.Batch` of
+one trajectory per row padded to a length bucket; :func:`pack` puts several trajectories
+in each row (segments), in one of a handful of row counts. Either way the jitted step
+sees a handful of shapes only.
 """
 
 from __future__ import annotations
@@ -172,6 +174,16 @@ def group_rewards(g: Group, grpo: GRPOConfig) -> np.ndarray:
     return np.asarray(out, np.float64)
 
 
+def _advantaged(groups: Sequence[Group], grpo: GRPOConfig) -> list[tuple[Member, float]]:
+    """Each group's members in index order with their advantages
+    (:mod:`pipeline.train.advantages`)."""
+    out = []
+    for g in groups:
+        adv = advantages(group_rewards(g, grpo), grpo.advantage, grpo.adv_eps)
+        out += [(g.members[i], float(adv[k])) for k, i in enumerate(sorted(g.members))]
+    return out
+
+
 def assemble(
     groups: Sequence[Group],
     rows: int,
@@ -179,12 +191,11 @@ def assemble(
     grpo: GRPOConfig | None = None,
     length: int | None = None,
 ) -> tuple[Batch, list[Member]]:
-    """A batch of exactly ``rows`` rows (padding rows have ``valid`` 0) and the members in
-    row order, with each group's advantages (:mod:`pipeline.train.advantages`); its length
+    """A batch of exactly ``rows`` rows, one trajectory per row (padding rows have
+    ``valid`` 0) and the members in row order, with each group's advantages; its length
     is the bucket of the longest member, or ``length`` (the group's agreed one)."""
-    grpo = grpo or GRPOConfig()
-    members = [m for g in groups for m in (g.members[i] for i in sorted(g.members))]
-    longest = max((m.trajectory.num_tokens for m in members), default=0)
+    rated = _advantaged(groups, grpo or GRPOConfig())
+    longest = max((m.trajectory.num_tokens for m, _ in rated), default=0)
     t = bucket_for(longest, buckets) if length is None else length
     if t is None or longest > t:
         raise ValueError(f"trajectory of {longest} tokens exceeds the largest bucket")
@@ -193,16 +204,101 @@ def assemble(
     behaviour = np.zeros((rows, t), np.float32)
     advantage = np.zeros(rows, np.float32)
     valid = np.zeros(rows, np.float32)
-    r = 0
-    for g in groups:
-        adv = advantages(group_rewards(g, grpo), grpo.advantage, grpo.adv_eps)
-        for k, i in enumerate(sorted(g.members)):
-            tr = g.members[i].trajectory
+    for r, (member, adv) in enumerate(rated):
+        tr = member.trajectory
+        n = tr.num_tokens
+        tokens[r, :n] = tr.tokens
+        mask[r, 1:n] = tr.loss_mask[1:]  # the first token has no prediction to train
+        behaviour[r, :n] = tr.logprobs
+        advantage[r] = adv
+        valid[r] = 1.0
+    return Batch(tokens, mask, behaviour, advantage, valid), [m for m, _ in rated]
+
+
+def _first_fit(lengths: Sequence[int], length: int) -> list[list[int]]:
+    """Indices of ``lengths`` per row of ``length`` tokens: first fit, longest first."""
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        n = lengths[i]
+        if n > length:
+            raise ValueError(f"trajectory of {n} tokens exceeds the packed length {length}")
+        r = next((r for r, f in enumerate(free) if f >= n), None)
+        if r is None:
+            rows.append([])
+            free.append(length)
+            r = len(rows) - 1
+        rows[r].append(i)
+        free[r] -= n
+    return rows
+
+
+def rows_to_pack(groups: Sequence[Group], length: int) -> int:
+    """How many rows of ``length`` tokens the groups' trajectories pack into."""
+    lengths = [m.trajectory.num_tokens for g in groups for m in g.members.values()]
+    return len(_first_fit(lengths, length))
+
+
+def row_choices(most: int, unit: int, shapes: int = 4) -> list[int]:
+    """The row counts a packed batch is rounded up to: about ``shapes`` multiples of
+    ``unit`` up to ``most``, so that the step is compiled for a handful of shapes."""
+    step = max(unit, -(-most // shapes // unit) * unit)
+    return sorted({*range(step, most, step), most})
+
+
+def pack(
+    groups: Sequence[Group],
+    rows: int,
+    length: int,
+    grpo: GRPOConfig | None = None,
+    first_row: int = 0,
+) -> tuple[Batch, list[Member]]:
+    """A packed batch of ``rows`` rows of ``length`` tokens: several trajectories per
+    row, each its own segment (attention stays inside it, positions restart at 0) with
+    its group's advantage on every token; the members in the order they were packed.
+    Segment ids are the flat index of the segment's first token, counted from row
+    ``first_row`` (this member's first row of a group's batch), so they are unique in
+    the whole batch."""
+    rated = _advantaged(groups, grpo or GRPOConfig())
+    layout = _first_fit([m.trajectory.num_tokens for m, _ in rated], length)
+    if len(layout) > rows:
+        raise ValueError(f"{len(rated)} trajectories need {len(layout)} rows, not {rows}")
+    tokens = np.zeros((rows, length), np.int32)
+    mask = np.zeros((rows, length), np.float32)
+    behaviour = np.zeros((rows, length), np.float32)
+    advantage = np.zeros((rows, length), np.float32)
+    valid = np.zeros(rows, np.float32)
+    base = (first_row + np.arange(rows, dtype=np.int64))[:, None] * length
+    segment = np.broadcast_to(base, (rows, length)).copy()
+    position = np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length)).copy()
+    members = []
+    for r, row in enumerate(layout):
+        at = 0
+        for i in row:
+            member, adv = rated[i]
+            tr = member.trajectory
             n = tr.num_tokens
-            tokens[r, :n] = tr.tokens
-            mask[r, :n] = tr.loss_mask
-            behaviour[r, :n] = tr.logprobs
-            advantage[r] = adv[k]
-            valid[r] = 1.0
-            r += 1
-    return Batch(tokens, mask, behaviour, advantage, valid), members
+            tokens[r, at : at + n] = tr.tokens
+            mask[r, at + 1 : at + n] = tr.loss_mask[1:]
+            behaviour[r, at : at + n] = tr.logprobs
+            advantage[r, at : at + n] = adv
+            segment[r, at : at + n] = base[r, 0] + at
+            position[r, at : at + n] = np.arange(n)
+            members.append(member)
+            at += n
+        # the rest of the row is a segment of its own, positions from 0
+        segment[r, at:] = base[r, 0] + at
+        position[r, at:] = np.arange(length - at)
+        valid[r] = 1.0
+    if segment.max(initial=0) >= 2**31:
+        raise ValueError("segment ids exceed int32")
+    batch = Batch(
+        tokens,
+        mask,
+        behaviour,
+        advantage,
+        valid,
+        segment.astype(np.int32),
+        position,
+    )
+    return batch, members

@@ -123,8 +123,12 @@ class TrainerConfig:
     group_timeout_s: float = 120.0
     #: train a partial batch (padding rows) when no full one came for this long (s)
     batch_timeout_s: float = 30.0
-    #: padded sequence lengths (each must fit the model's max_len)
+    #: padded sequence lengths (each must fit the model's max_len); a packed batch's rows
+    #: are as long as the largest
     buckets: tuple[int, ...] = (64, 128, 256)
+    #: several trajectories per row (each attending only to itself), in one of a few row
+    #: counts; false: one trajectory per row, padded to its length bucket
+    packing: bool = True
     #: sampling weight of each environment in a batch (default: equal)
     env_weights: Mapping[str, float] = dataclasses.field(default_factory=dict)
     #: save and announce weights every this many steps

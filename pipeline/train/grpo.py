@@ -45,10 +45,14 @@ _MAX_LOG_RATIO = 20.0
 
 
 class Batch(NamedTuple):
-    """A training batch of fixed shape ``[B, T]`` (``B`` rows, padded to bucket ``T``).
+    """A training batch of fixed shape ``[B, T]``. Host (numpy) or device arrays.
 
     ``mask`` is 1 on policy tokens; ``behaviour`` their log-probabilities when sampled;
-    ``advantage`` per row; ``valid`` 0 for padding rows. Host (numpy) or device arrays.
+    ``advantage`` per row ``[B]`` or per token ``[B, T]``; ``valid`` 0 for padding rows.
+    Without ``segment`` each row is one sequence padded to the bucket ``T``; a packed
+    batch holds several per row: ``segment [B, T]`` names each token's sequence (ids
+    unique in the whole batch, below ``B * T``) and ``position [B, T]`` restarts at 0 in
+    each (:func:`pipeline.train.batching.pack`).
     """
 
     tokens: Any
@@ -56,6 +60,23 @@ class Batch(NamedTuple):
     behaviour: Any
     advantage: Any
     valid: Any
+    segment: Any = None
+    position: Any = None
+
+    def per_token(self) -> Batch:
+        """The same batch with a segment and position for every token, the advantage per
+        token and padding rows folded into the mask: the one form the loss reads (a row
+        without segments is the segment ``row * T``)."""
+        b, t = self.tokens.shape
+        segment, position = self.segment, self.position
+        if segment is None:
+            segment = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None] * t, (b, t))
+            position = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        adv = self.advantage
+        if adv.ndim == 1:
+            adv = jnp.broadcast_to(adv[:, None], (b, t))
+        mask = self.mask * self.valid[:, None]
+        return Batch(self.tokens, mask, self.behaviour, adv, self.valid, segment, position)
 
 
 class TrainState(NamedTuple):
@@ -65,36 +86,43 @@ class TrainState(NamedTuple):
     reference: Any
 
 
-def _logprobs_and_entropy(
-    graphdef: Any, params: Any, tokens: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    return token_logprobs_and_entropy(nnx.merge(graphdef, params), tokens)
+def _logprobs_and_entropy(graphdef: Any, params: Any, b: Batch) -> tuple[jax.Array, jax.Array]:
+    return token_logprobs_and_entropy(
+        nnx.merge(graphdef, params), b.tokens, positions=b.position, segments=b.segment
+    )
 
 
-def denominators(mask: jax.Array) -> jax.Array:
-    """``[policy tokens, rows with policy tokens]`` of a (mini)batch: what each
+def _per_sequence(x: jax.Array, segment: jax.Array, n: int) -> jax.Array:
+    """``x [B, T]`` summed over each sequence: ``[n]`` indexed by segment id."""
+    return jax.ops.segment_sum(x.reshape(-1), segment.reshape(-1), num_segments=n)
+
+
+def denominators(mask: jax.Array, segment: jax.Array, n: int) -> jax.Array:
+    """``[policy tokens, sequences with policy tokens]`` of a (mini)batch: what each
     aggregation divides by, fixed for the whole minibatch so that its micro-batches'
     gradients add up to the minibatch's own."""
-    return jnp.stack([jnp.sum(mask), jnp.sum(jnp.sum(mask, axis=1) > 0)]).astype(jnp.float32)
+    seqs = jnp.sum(_per_sequence(mask, segment, n) > 0)
+    return jnp.stack([jnp.sum(mask), seqs]).astype(jnp.float32)
 
 
-def _aggregate(per_token: jax.Array, mask: jax.Array, how: str, denom: jax.Array) -> jax.Array:
+def _aggregate(per_token: jax.Array, b: Batch, how: str, denom: jax.Array, n: int) -> jax.Array:
     """``token_mean``: every policy token of the minibatch weighs the same;
-    ``seq_mean_token_mean``: every row the same, its tokens averaged;
-    ``seq_mean_token_sum``: every row the same, its tokens summed (Dr.GRPO)."""
+    ``seq_mean_token_mean``: every sequence the same, its tokens averaged;
+    ``seq_mean_token_sum``: every sequence the same, its tokens summed (Dr.GRPO)."""
     if how == "token_mean":
-        return jnp.sum(per_token * mask) / jnp.maximum(denom[0], 1.0)
-    summed = jnp.sum(per_token * mask, axis=1)
+        return jnp.sum(per_token * b.mask) / jnp.maximum(denom[0], 1.0)
+    summed = _per_sequence(per_token * b.mask, b.segment, n)
     if how == "seq_mean_token_mean":
-        summed = summed / jnp.maximum(jnp.sum(mask, axis=1), 1.0)
+        summed = summed / jnp.maximum(_per_sequence(b.mask, b.segment, n), 1.0)
     return jnp.sum(summed) / jnp.maximum(denom[1], 1.0)
 
 
-def _sequence_log_ratio(log_ratio: jax.Array, logp: jax.Array, mask: jax.Array) -> jax.Array:
-    """GSPO-token: every token of a row carries the row's length-normalised log-ratio as
-    its value, and its own token's gradient."""
-    seq = jnp.sum(log_ratio * mask, axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1.0)
-    return jax.lax.stop_gradient(seq)[:, None] + logp - jax.lax.stop_gradient(logp)
+def _sequence_log_ratio(log_ratio: jax.Array, logp: jax.Array, b: Batch, n: int) -> jax.Array:
+    """GSPO-token: every token of a sequence carries the sequence's length-normalised
+    log-ratio as its value, and its own token's gradient."""
+    total = _per_sequence(log_ratio * b.mask, b.segment, n)
+    seq = (total / jnp.maximum(_per_sequence(b.mask, b.segment, n), 1.0))[b.segment]
+    return jax.lax.stop_gradient(seq) + logp - jax.lax.stop_gradient(logp)
 
 
 def make_train_step(
@@ -116,17 +144,21 @@ def make_train_step(
         jit_args |= {"in_shardings": (state_sh, batch_sh), "out_shardings": (state_sh, replicated)}
 
     def loss_fn(
-        params: Any, mb: Batch, prox: jax.Array | None, ref: jax.Array | None, denom: jax.Array
+        params: Any,
+        mb: Batch,
+        prox: jax.Array | None,
+        ref: jax.Array | None,
+        denom: jax.Array,
+        n: int,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        logp, entropy = _logprobs_and_entropy(graphdef, params, mb.tokens)
+        logp, entropy = _logprobs_and_entropy(graphdef, params, mb)
         if prox is None:  # one update per step: the proximal policy is this one
             prox = jax.lax.stop_gradient(logp)
-        mask = mb.mask * mb.valid[:, None]
-        adv = mb.advantage[:, None]
+        mask, adv = mb.mask, mb.advantage
         anchor = prox if cfg.correction == "decoupled" else mb.behaviour
         log_ratio = logp - anchor
         if cfg.ratio == "sequence":
-            log_ratio = _sequence_log_ratio(log_ratio, logp, mask)
+            log_ratio = _sequence_log_ratio(log_ratio, logp, mb, n)
         # log-ratios are capped before exp: past the cap both branches of the clipped
         # objective are constant, so the cap changes no value or gradient, but an extreme
         # behaviour log-probability can no longer make inf (and inf * 0 = NaN gradients)
@@ -139,7 +171,7 @@ def make_train_step(
             unclipped = jnp.minimum(ratio, cfg.is_cap) * adv
         clipped = jnp.clip(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high) * adv
         per_token = -weight * jnp.minimum(unclipped, clipped)
-        n = jnp.maximum(jnp.sum(mask), 1.0)
+        tokens = jnp.maximum(jnp.sum(mask), 1.0)
         metrics = {}
         if ref is not None:
             if cfg.kl_estimator == "k1":
@@ -147,27 +179,28 @@ def make_train_step(
             else:  # k3: unbiased and never negative
                 kl_ref = jnp.exp(ref - logp) - (ref - logp) - 1.0
             per_token = per_token + cfg.kl_coef * kl_ref
-            metrics["kl_ref"] = jnp.sum(kl_ref * mask) / n
-        loss = _aggregate(per_token, mask, cfg.aggregation, denom)
+            metrics["kl_ref"] = jnp.sum(kl_ref * mask) / tokens
+        loss = _aggregate(per_token, mb, cfg.aggregation, denom, n)
         is_w = jnp.exp(jnp.minimum(prox - mb.behaviour, _MAX_LOG_RATIO))
         metrics |= {
             "loss": loss,
-            "clip_fraction": jnp.sum((clipped < unclipped) * mask) / n,
-            "entropy": jnp.sum(entropy * mask) / n,
-            "kl_behaviour": jnp.sum((mb.behaviour - prox) * mask) / n,
-            "is_weight_mean": jnp.sum(is_w * mask) / n,
+            "clip_fraction": jnp.sum((clipped < unclipped) * mask) / tokens,
+            "entropy": jnp.sum(entropy * mask) / tokens,
+            "kl_behaviour": jnp.sum((mb.behaviour - prox) * mask) / tokens,
+            "is_weight_mean": jnp.sum(is_w * mask) / tokens,
             "is_weight_max": jnp.max(jnp.where(mask > 0, is_w, 0.0)),
-            "is_truncated_fraction": jnp.sum((is_w > cfg.is_cap) * mask) / n,
+            "is_truncated_fraction": jnp.sum((is_w > cfg.is_cap) * mask) / tokens,
         }
         return loss, metrics
 
-    def gradients(params: Any, mb: Any) -> tuple[dict[str, jax.Array], Any]:
+    def gradients(params: Any, mb: Any, n: int) -> tuple[dict[str, jax.Array], Any]:
         """The minibatch's loss gradients, accumulated over ``cfg.microbatches`` slices
-        of its rows (each normalised by the whole minibatch, so the sum is exact)."""
+        of its rows (each normalised by the whole minibatch, so the sum is exact). A
+        sequence never spans rows, so no slice splits one."""
         batch, prox, ref = mb
-        denom = denominators(batch.mask * batch.valid[:, None])
+        denom = denominators(batch.mask, batch.segment, n)
         k = cfg.microbatches
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        grad_fn = jax.value_and_grad(functools.partial(loss_fn, n=n), has_aux=True)
         if k == 1:
             (_, metrics), grads = grad_fn(params, batch, prox, ref, denom)
             return metrics, grads
@@ -188,15 +221,15 @@ def make_train_step(
         # Forward passes only where they are needed: with one update per step the
         # proximal log-probabilities are the update's own (computed in the loss), and
         # the reference policy only matters with a KL term.
+        batch = batch.per_token()
+        n = batch.tokens.size  # a bound on the batch's segment ids
         prox = ref = None
         if cfg.minibatches > 1:
-            prox = jax.lax.stop_gradient(
-                _logprobs_and_entropy(graphdef, state.params, batch.tokens)[0]
-            )
+            prox = jax.lax.stop_gradient(_logprobs_and_entropy(graphdef, state.params, batch)[0])
         if cfg.kl_coef:
             if state.reference is None:
                 raise ValueError("a KL term needs a state made with a reference policy")
-            ref = _logprobs_and_entropy(graphdef, state.reference, batch.tokens)[0]
+            ref = _logprobs_and_entropy(graphdef, state.reference, batch)[0]
         m = cfg.minibatches
         split = jax.tree.map(
             lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), (batch, prox, ref)
@@ -204,7 +237,7 @@ def make_train_step(
 
         def update(carry: tuple[Any, Any], mb: Any) -> tuple[tuple[Any, Any], Any]:
             params, opt_state = carry
-            metrics, grads = gradients(params, mb)
+            metrics, grads = gradients(params, mb, n)
             metrics["grad_norm"] = optax.tree.norm(grads)
             ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
 

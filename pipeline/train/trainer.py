@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import threading
 import time
@@ -29,7 +30,6 @@ from typing import Any
 
 import confluent_kafka
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
@@ -53,6 +53,9 @@ from pipeline.train.batching import (
     assemble,
     bucket_for,
     group_rewards,
+    pack,
+    row_choices,
+    rows_to_pack,
 )
 from pipeline.train.config import TrainerConfig
 from pipeline.train.contract import RecordContract
@@ -116,6 +119,12 @@ class Trainer:
         )
         #: this member's groups and rows of a global batch
         self.quota = cfg.groups_per_batch // self.members.count
+        #: the row counts of this member's packed batches: multiples of what splits a
+        #: group's batch evenly into minibatches, micro-batches and data-parallel devices
+        split = cfg.grpo.minibatches * math.lcm(cfg.grpo.microbatches, self.mesh.shape["fsdp"])
+        self.row_choices = row_choices(
+            cfg.rows // self.members.count, split // math.gcd(split, self.members.count)
+        )
         self.ledger = Ledger(self.own_dir / "ledger.jsonl")
         self.metrics_path = self.own_dir / "metrics.jsonl"
         self.scalars = ScalarWriter(self.own_dir / "tensorboard")  # the same rows, for TensorBoard
@@ -379,16 +388,22 @@ class Trainer:
             return "train" if ready.any() else "stop"
         return "checkpoint" if dues.any() else "wait"
 
+    def _shapes(self) -> list[tuple[int, int]]:
+        """The (rows, length) shapes of this member's batches: every length bucket of
+        whole rows, or each packed row count at the largest bucket."""
+        if not self.cfg.packing:
+            return [(self.cfg.rows // self.members.count, t) for t in sorted(self.cfg.buckets)]
+        return [(r, max(self.cfg.buckets)) for r in self.row_choices]
+
     def warm_up(self) -> None:
-        """Compile the step for every length bucket now, on an all-padding batch (its
-        result is discarded), so that no step compiles once training runs."""
+        """Compile the step for every batch shape now (ahead of time: nothing runs and
+        the state is not touched), so that no step compiles once training runs."""
         from pipeline.train.grpo import Batch
 
-        for t in sorted(self.cfg.buckets):
+        for r, t in self._shapes():
             # a stop during start-up is not held up by compiles (a group stops together)
             if self.members.agree([self.stop_event.is_set()])[:, 0].any():
                 return
-            r = self.cfg.rows // self.members.count
             empty = Batch(
                 np.zeros((r, t), np.int32),
                 np.zeros((r, t), np.float32),
@@ -396,10 +411,10 @@ class Trainer:
                 np.zeros(r, np.float32),
                 np.zeros(r, np.float32),
             )
-            # the step consumes the state it is given: compile on a copy
-            copy = jax.tree.map(jnp.copy, self.state)
+            if self.cfg.packing:
+                empty = pack([], r, t)[0]
             batch = self.members.batch(empty, self.batch_sharding)
-            jax.block_until_ready(self.train_step(copy, batch))
+            self.train_step.lower(self.state, batch).compile()
 
     def _intake(self, m: Any) -> None:
         err = m.error()
@@ -503,23 +518,12 @@ class Trainer:
         t0 = time.perf_counter()
         with span("staleness_filter", "train"):
             groups = self._fresh_groups()
-        longest = max(
-            (m.trajectory.num_tokens for g in groups for m in g.members.values()), default=0
-        )
-        # every member's groups and the bucket its longest needs: one batch shape for all
-        counts, lengths = self.members.agree(
-            [len(groups), (bucket_for(longest, self.cfg.buckets) or 0) if groups else 0]
-        ).T
+        # every member's groups and the shape its batch needs: one batch shape for all
+        counts, needs = self.members.agree([len(groups), self._needs(groups)]).T
         if not counts.any():
             return int(self.state.step)
         with span("batch_assembly", "train", groups=len(groups)):
-            batch, members = assemble(
-                groups,
-                self.cfg.rows // self.members.count,
-                self.cfg.buckets,
-                self.cfg.grpo,
-                length=int(lengths.max()),
-            )
+            batch, members = self._assemble(groups, int(needs.max()))
         t1 = time.perf_counter()
         self.timers["assemble"] += t1 - t0
         with span("train_step", "train", step=int(self.state.step) + 1, trained=len(members)):
@@ -547,6 +551,7 @@ class Trainer:
             self.ledger.train(mem.trajectory.trajectory_id, w.topic, w.partition, w.offset)
         self.version += 1
         step = int(self.state.step)
+        real = sum(mem.trajectory.num_tokens for mem in members)  # of this member's batch
         rewards: dict[str, list[float]] = {}
         for mem in members:
             rewards.setdefault(mem.trajectory.env, []).append(mem.trajectory.reward)
@@ -557,6 +562,9 @@ class Trainer:
                 "time": time.time(),
                 "tokens": int(batch.mask.sum()),
                 "bucket": int(batch.tokens.shape[1]),
+                "rows": int(batch.tokens.shape[0]),
+                "sequence_tokens": real,
+                "padding": 1.0 - real / batch.tokens.size,
                 "staleness_mean": float(np.mean(stale)) if stale else 0.0,
                 "staleness_hist": dict(Counter(int(s) for s in stale)),
                 "reward": {e: float(np.mean(r)) for e, r in rewards.items()},
@@ -583,6 +591,26 @@ class Trainer:
         if self.on_step:
             self.on_step(m)
         return step
+
+    def _needs(self, groups: list[Any]) -> int:
+        """What this member's batch needs: the packed rows, or the length bucket of its
+        longest trajectory (0 without groups)."""
+        if self.cfg.packing:
+            return rows_to_pack(groups, max(self.cfg.buckets))
+        longest = max(
+            (m.trajectory.num_tokens for g in groups for m in g.members.values()), default=0
+        )
+        return (bucket_for(longest, self.cfg.buckets) or 0) if groups else 0
+
+    def _assemble(self, groups: list[Any], need: int) -> tuple[Any, list[Any]]:
+        """This member's part of the step's batch, in the shape every member can use
+        (``need``: the most any member needs)."""
+        if not self.cfg.packing:
+            rows = self.cfg.rows // self.members.count
+            return assemble(groups, rows, self.cfg.buckets, self.cfg.grpo, length=need)
+        rows = next(r for r in self.row_choices if r >= need)
+        length = max(self.cfg.buckets)
+        return pack(groups, rows, length, self.cfg.grpo, first_row=self.members.index * rows)
 
     def _not_applied(self, groups: list[Any], m: dict[str, Any]) -> int:
         """A step whose loss or gradients were not finite changed nothing: its records

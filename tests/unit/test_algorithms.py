@@ -9,9 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pipeline.kafka.transport import Coordinates
 from pipeline.policy.config import ModelConfig
 from pipeline.policy.model import init_model, token_logprobs
+from pipeline.testing import make_trajectory
 from pipeline.train.advantages import advantages, overlong_penalty, zero_variance
+from pipeline.train.batching import GroupBuffer, assemble, pack, row_choices, rows_to_pack
 from pipeline.train.config import GRPOConfig
 from pipeline.train.grpo import Batch, TrainState, init_state, make_train_step
 
@@ -145,3 +148,79 @@ def test_unknown_variants_are_refused() -> None:
             GRPOConfig(**bad)  # type: ignore[arg-type]
     with pytest.raises(InvalidConfigError, match="overlong_buffer"):
         GRPOConfig(overlong_max_tokens=10, overlong_buffer=20)
+
+
+def _groups(lengths: list[list[int]]) -> list[Any]:
+    """Complete groups of trajectories of the given lengths, rewards varying."""
+    rng = np.random.default_rng(3)
+    buf, out = GroupBuffer(100, 10), []
+    for gi, sizes in enumerate(lengths):
+        for i, n in enumerate(sizes):
+            t = make_trajectory(
+                n,
+                rng=rng,
+                turns=4,
+                group_id=f"g{gi}",
+                group_size=len(sizes),
+                group_index=i,
+                reward=float(rng.random()),
+            )
+            done = buf.add(t, Coordinates("t", 0, gi * 10 + i, 0))
+        out.append(done)
+    return out
+
+
+def test_packing_lays_trajectories_into_segments() -> None:
+    groups = _groups([[30, 12, 50, 7], [20, 33, 9, 41]])
+    batch, members = pack(groups, rows=4, length=64)
+    assert rows_to_pack(groups, 64) == 4 and len(members) == 8
+    assert batch.tokens.shape == (4, 64)
+    for r in range(4):  # each segment's tokens, positions from 0, mask as recorded
+        for seg in np.unique(batch.segment[r]):
+            at = np.flatnonzero(batch.segment[r] == seg)
+            assert (np.diff(at) == 1).all() and batch.position[r, at].tolist() == list(
+                range(len(at))
+            )
+    for m in members:
+        t = m.trajectory
+        hits = [
+            (r, c)
+            for r in range(4)
+            for c in range(64 - t.num_tokens + 1)
+            if batch.tokens[r, c : c + t.num_tokens].tolist() == t.tokens.tolist()
+        ]
+        assert hits, t.trajectory_id
+    real = sum(m.trajectory.num_tokens for m in members)
+    assert real == 202 and (batch.segment < 4 * 64).all()
+    with pytest.raises(ValueError, match="need"):
+        pack(groups, rows=3, length=64)
+    assert row_choices(64, 1) == [16, 32, 48, 64]
+    assert row_choices(32, 3) == [9, 18, 27, 32]
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"aggregation": "token_mean"},
+        {"aggregation": "seq_mean_token_mean", "correction": "tis"},
+        {"aggregation": "seq_mean_token_sum", "microbatches": 2},
+        {"ratio": "sequence", "kl_coef": 0.1},
+    ],
+)
+def test_a_packed_batch_trains_exactly_as_one_row_per_trajectory(variant: dict[str, Any]) -> None:
+    groups = _groups([[30, 12, 50, 7], [20, 33, 9, 41]])
+    cfg = GRPOConfig(warmup_steps=1, **variant)
+    bucketed, _ = assemble(groups, rows=8, buckets=(64,), grpo=cfg)
+    packed, _ = pack(groups, rows=4, length=64, grpo=cfg)
+    results = []
+    for batch in (bucketed, packed):
+        model = init_model(CFG, seed=0)
+        tx = cfg.optimizer()
+        graphdef, state = init_state(model, tx, reference=cfg.kl_coef > 0)
+        state, metrics = make_train_step(graphdef, cfg, tx)(state, batch)
+        results.append((metrics, state.params))
+    (m1, p1), (m2, p2) = results
+    for k in ("loss", "grad_norm", "entropy", "clip_fraction"):
+        assert float(m2[k]) == pytest.approx(float(m1[k]), rel=1e-4, abs=1e-6), k
+    for x, y in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-6)
