@@ -7,13 +7,20 @@ from __future__ import annotations
 import os
 import random
 import socket
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from pipeline import compile_cache
 from pipeline.kafka.client import KafkaConfig
+
+# One compilation cache for this test run and every rlstream process it starts (a fresh
+# private directory: nothing compiled by another run is loaded).
+os.environ.setdefault("RLSTREAM_COMPILE_CACHE", tempfile.mkdtemp(prefix="rlstream-jax-"))
+compile_cache.enable()
 
 
 def free_port_pair(count: int = 2) -> int:

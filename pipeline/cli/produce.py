@@ -7,6 +7,7 @@ import sys
 import time
 from typing import Any
 
+from pipeline import compile_cache
 from pipeline.cli.common import (
     add_json_arg,
     add_kafka_args,
@@ -42,6 +43,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
     from pipeline.rollout.status import StatusFile
 
     cfg = resolve(ProducerConfig, args)
+    compile_cache.enable()
     if not cfg.checkpoint_roots:
         print(
             "rlstream: warning: no --checkpoint-root: this producer samples its initial "

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipeline import compile_cache
 from pipeline.cli.common import (
     add_json_arg,
     add_kafka_args,
@@ -45,6 +46,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from pipeline.train.trainer import Trainer
 
     cfg = resolve(TrainerConfig, args)
+    if cfg.members == 1:  # (a trainer group compiles its collectives afresh)
+        compile_cache.enable()
     source = None
     if args.from_file:
         from pipeline.kafka.replay import RecordingSource
