@@ -185,6 +185,20 @@ class Transformer(nnx.Module):
         write: jax.Array | None = None,
         segments: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
+        x, cache = self.features(tokens, positions, cache, write, segments)
+        logits = self.embed.attend(x) if self.cfg.tie_embeddings else self.lm_head(x)
+        return logits, cache
+
+    def features(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        cache: KVCache | None = None,
+        write: jax.Array | None = None,
+        segments: jax.Array | None = None,
+    ) -> tuple[jax.Array, KVCache | None]:
+        """The final normalised hidden states ``[B, T, d_model]`` the logits are read
+        from (and a critic's value head, :mod:`pipeline.train.grpo`)."""
         x = self.embed(tokens)
         ks: list[jax.Array] = []
         vs: list[jax.Array] = []
@@ -196,10 +210,9 @@ class Transformer(nnx.Module):
                 ks.append(kc)
                 vs.append(vc)
         x = self.norm(x)
-        logits = self.embed.attend(x) if self.cfg.tie_embeddings else self.lm_head(x)
         if cache is None:
-            return logits, None
-        return logits, KVCache(tuple(ks), tuple(vs))
+            return x, None
+        return x, KVCache(tuple(ks), tuple(vs))
 
 
 def init_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
@@ -223,15 +236,29 @@ def token_logprobs_and_entropy(
     causal pass, in float32 (0 at t = 0): what the trainer differentiates is what the
     sampler recorded. Packed rows pass their ``positions`` and ``segments``; the value at
     a segment's first token is then computed from another segment and means nothing."""
+    return token_logprobs_entropy_features(model, tokens, temperature, positions, segments)[:2]
+
+
+def token_logprobs_entropy_features(
+    model: Transformer,
+    tokens: jax.Array,
+    temperature: float = 1.0,
+    positions: jax.Array | None = None,
+    segments: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`token_logprobs_and_entropy` and, aligned with them, the hidden state each
+    token was predicted from (``[B, T, d_model]``, zeros at t = 0)."""
     b, t = tokens.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-    logits, _ = model(tokens, positions, segments=segments)
+    x, _ = model.features(tokens, positions, segments=segments)
+    logits = model.embed.attend(x) if model.cfg.tie_embeddings else model.lm_head(x)
     logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32) / temperature, axis=-1)
     picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
     entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
     pad = jnp.zeros((b, 1), jnp.float32)
-    return jnp.concatenate([pad, picked], 1), jnp.concatenate([pad, entropy], 1)
+    before = jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], 1)
+    return jnp.concatenate([pad, picked], 1), jnp.concatenate([pad, entropy], 1), before
 
 
 def finite_leaves(tree: Any) -> jax.Array:

@@ -174,14 +174,27 @@ def group_rewards(g: Group, grpo: GRPOConfig) -> np.ndarray:
     return np.asarray(out, np.float64)
 
 
-def _advantaged(groups: Sequence[Group], grpo: GRPOConfig) -> list[tuple[Member, float]]:
+def _advantaged(groups: Sequence[Group], grpo: GRPOConfig) -> list[tuple[Member, float, float]]:
     """Each group's members in index order with their advantages
-    (:mod:`pipeline.train.advantages`)."""
+    (:mod:`pipeline.train.advantages`; 0 with a critic, which makes its own in the step)
+    and their (shaped) rewards."""
     out = []
     for g in groups:
-        adv = advantages(group_rewards(g, grpo), grpo.advantage, grpo.adv_eps)
-        out += [(g.members[i], float(adv[k])) for k, i in enumerate(sorted(g.members))]
+        rewards = group_rewards(g, grpo)
+        if grpo.advantage == "gae":
+            adv = np.zeros_like(rewards)
+        else:
+            adv = advantages(rewards, grpo.advantage, grpo.adv_eps)
+        out += [
+            (g.members[i], float(adv[k]), float(rewards[k]))
+            for k, i in enumerate(sorted(g.members))
+        ]
     return out
+
+
+def _last_policy_token(mask: np.ndarray) -> int | None:
+    hits = np.flatnonzero(mask[1:]) + 1
+    return int(hits[-1]) if len(hits) else None
 
 
 def assemble(
@@ -195,7 +208,7 @@ def assemble(
     ``valid`` 0) and the members in row order, with each group's advantages; its length
     is the bucket of the longest member, or ``length`` (the group's agreed one)."""
     rated = _advantaged(groups, grpo or GRPOConfig())
-    longest = max((m.trajectory.num_tokens for m, _ in rated), default=0)
+    longest = max((m.trajectory.num_tokens for m, _, _ in rated), default=0)
     t = bucket_for(longest, buckets) if length is None else length
     if t is None or longest > t:
         raise ValueError(f"trajectory of {longest} tokens exceeds the largest bucket")
@@ -204,7 +217,8 @@ def assemble(
     behaviour = np.zeros((rows, t), np.float32)
     advantage = np.zeros(rows, np.float32)
     valid = np.zeros(rows, np.float32)
-    for r, (member, adv) in enumerate(rated):
+    reward = np.zeros((rows, t), np.float32)
+    for r, (member, adv, rew) in enumerate(rated):
         tr = member.trajectory
         n = tr.num_tokens
         tokens[r, :n] = tr.tokens
@@ -212,7 +226,13 @@ def assemble(
         behaviour[r, :n] = tr.logprobs
         advantage[r] = adv
         valid[r] = 1.0
-    return Batch(tokens, mask, behaviour, advantage, valid), [m for m, _ in rated]
+        last = _last_policy_token(mask[r, :n])
+        if last is not None:
+            reward[r, last] = rew
+    batch = Batch(tokens, mask, behaviour, advantage, valid)
+    if (grpo or GRPOConfig()).advantage == "gae":
+        batch = batch._replace(reward=reward)
+    return batch, [m for m, _, _ in rated]
 
 
 def _first_fit(lengths: Sequence[int], length: int) -> list[list[int]]:
@@ -260,7 +280,7 @@ def pack(
     ``first_row`` (this member's first row of a group's batch), so they are unique in
     the whole batch."""
     rated = _advantaged(groups, grpo or GRPOConfig())
-    layout = _first_fit([m.trajectory.num_tokens for m, _ in rated], length)
+    layout = _first_fit([m.trajectory.num_tokens for m, _, _ in rated], length)
     if len(layout) > rows:
         raise ValueError(f"{len(rated)} trajectories need {len(layout)} rows, not {rows}")
     tokens = np.zeros((rows, length), np.int32)
@@ -271,11 +291,12 @@ def pack(
     base = (first_row + np.arange(rows, dtype=np.int64))[:, None] * length
     segment = np.broadcast_to(base, (rows, length)).copy()
     position = np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length)).copy()
+    reward = np.zeros((rows, length), np.float32)
     members = []
     for r, row in enumerate(layout):
         at = 0
         for i in row:
-            member, adv = rated[i]
+            member, adv, rew = rated[i]
             tr = member.trajectory
             n = tr.num_tokens
             tokens[r, at : at + n] = tr.tokens
@@ -284,6 +305,9 @@ def pack(
             advantage[r, at : at + n] = adv
             segment[r, at : at + n] = base[r, 0] + at
             position[r, at : at + n] = np.arange(n)
+            last = _last_policy_token(mask[r, at : at + n])
+            if last is not None:
+                reward[r, at + last] = rew
             members.append(member)
             at += n
         # the rest of the row is a segment of its own, positions from 0
@@ -300,5 +324,6 @@ def pack(
         valid,
         segment.astype(np.int32),
         position,
+        reward if (grpo or GRPOConfig()).advantage == "gae" else None,
     )
     return batch, members

@@ -47,9 +47,19 @@ class GRPOConfig:
     #: slices of a minibatch whose gradients are accumulated into its one update (the
     #: same update as the whole minibatch at once, in a fraction of the memory)
     microbatches: int = 1
-    #: advantages: grpo (group mean and std), drgrpo (group mean only) or rloo
-    #: (leave-one-out mean)
+    #: advantages: grpo (group mean and std), drgrpo (group mean only), rloo
+    #: (leave-one-out mean) or gae (PPO: a value head on the policy and generalised
+    #: advantage estimation)
     advantage: str = "grpo"
+    #: gae: the steps credit is assigned over, token (every policy token) or turn (every
+    #: policy turn of a multi-turn episode, its tokens sharing the turn's advantage)
+    credit: str = "token"
+    #: gae: discount per step
+    gamma: float = 1.0
+    #: gae: lambda, between one-step (0) and Monte Carlo (1) estimates
+    gae_lambda: float = 0.95
+    #: gae: weight of the critic's squared error in the loss
+    value_coef: float = 0.5
     #: importance ratio: token (PPO) or sequence (GSPO: each row's length-normalised ratio)
     ratio: str = "token"
     #: added to the group's reward std before dividing
@@ -73,12 +83,15 @@ class GRPOConfig:
         if self.minibatches < 1 or self.microbatches < 1 or self.is_cap <= 0:
             raise InvalidConfigError("minibatches and microbatches must be >= 1, is_cap > 0")
         for name, value, allowed in (
-            ("advantage", self.advantage, ("grpo", "drgrpo", "rloo")),
+            ("advantage", self.advantage, ("grpo", "drgrpo", "rloo", "gae")),
+            ("credit", self.credit, ("token", "turn")),
             ("ratio", self.ratio, ("token", "sequence")),
             ("kl_estimator", self.kl_estimator, ("k1", "k3")),
         ):
             if value not in allowed:
                 raise InvalidConfigError(f"{name} must be one of {allowed}, not {value!r}")
+        if not (0 <= self.gamma <= 1 and 0 <= self.gae_lambda <= 1 and self.value_coef >= 0):
+            raise InvalidConfigError("gamma and gae_lambda must lie in [0, 1], value_coef >= 0")
         if self.overlong_max_tokens and not 0 < self.overlong_buffer <= self.overlong_max_tokens:
             raise InvalidConfigError("overlong_buffer must lie in (0, overlong_max_tokens]")
 

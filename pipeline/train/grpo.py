@@ -37,8 +37,15 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pipeline.policy.model import Transformer, finite_leaves, token_logprobs_and_entropy
+from pipeline.policy.model import (
+    Transformer,
+    finite_leaves,
+    token_logprobs_and_entropy,
+    token_logprobs_entropy_features,
+)
 from pipeline.train.config import GRPOConfig
+from pipeline.train.critic import gae, init_critic
+from pipeline.train.critic import values as critic_values
 
 #: log-ratios above this are capped before exp (exp(20) ~ 5e8, far past any clip range)
 _MAX_LOG_RATIO = 20.0
@@ -62,6 +69,8 @@ class Batch(NamedTuple):
     valid: Any
     segment: Any = None
     position: Any = None
+    #: per token (PPO with a critic): each trajectory's reward on its last policy token
+    reward: Any = None
 
     def per_token(self) -> Batch:
         """The same batch with a segment and position for every token, the advantage per
@@ -76,7 +85,9 @@ class Batch(NamedTuple):
         if adv.ndim == 1:
             adv = jnp.broadcast_to(adv[:, None], (b, t))
         mask = self.mask * self.valid[:, None]
-        return Batch(self.tokens, mask, self.behaviour, adv, self.valid, segment, position)
+        return Batch(
+            self.tokens, mask, self.behaviour, adv, self.valid, segment, position, self.reward
+        )
 
 
 class TrainState(NamedTuple):
@@ -84,6 +95,9 @@ class TrainState(NamedTuple):
     opt_state: Any
     step: jax.Array
     reference: Any
+    #: the value head's parameters (PPO, ``advantage: gae``), else None; with a critic
+    #: the optimizer's state covers ``(params, critic)``
+    critic: Any = None
 
 
 def _logprobs_and_entropy(graphdef: Any, params: Any, b: Batch) -> tuple[jax.Array, jax.Array]:
@@ -92,17 +106,45 @@ def _logprobs_and_entropy(graphdef: Any, params: Any, b: Batch) -> tuple[jax.Arr
     )
 
 
+def _forward(
+    graphdef: Any, params: Any, critic: Any, b: Batch
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """Log-probabilities, entropies and (with a critic) values of every token."""
+    if critic is None:
+        return (*_logprobs_and_entropy(graphdef, params, b), None)
+    logp, entropy, hidden = token_logprobs_entropy_features(
+        nnx.merge(graphdef, params), b.tokens, positions=b.position, segments=b.segment
+    )
+    return logp, entropy, critic_values(critic, hidden)
+
+
+def _advantages_from_critic(
+    cfg: GRPOConfig, value: jax.Array, b: Batch
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """GAE advantages (whitened over the batch's policy tokens), value targets, steps."""
+    adv, target, steps = gae(
+        value, b.reward, b.mask, b.segment, cfg.credit, cfg.gamma, cfg.gae_lambda
+    )
+    n = jnp.maximum(jnp.sum(b.mask), 1.0)
+    mean = jnp.sum(adv * b.mask) / n
+    std = jnp.sqrt(jnp.sum(((adv - mean) * b.mask) ** 2) / n)
+    return (adv - mean) / (std + cfg.adv_eps) * b.mask, target, steps
+
+
 def _per_sequence(x: jax.Array, segment: jax.Array, n: int) -> jax.Array:
     """``x [B, T]`` summed over each sequence: ``[n]`` indexed by segment id."""
     return jax.ops.segment_sum(x.reshape(-1), segment.reshape(-1), num_segments=n)
 
 
-def denominators(mask: jax.Array, segment: jax.Array, n: int) -> jax.Array:
-    """``[policy tokens, sequences with policy tokens]`` of a (mini)batch: what each
-    aggregation divides by, fixed for the whole minibatch so that its micro-batches'
-    gradients add up to the minibatch's own."""
+def denominators(
+    mask: jax.Array, segment: jax.Array, n: int, steps: jax.Array | None = None
+) -> jax.Array:
+    """``[policy tokens, sequences with policy tokens, critic steps]`` of a (mini)batch:
+    what each aggregation divides by, fixed for the whole minibatch so that its
+    micro-batches' gradients add up to the minibatch's own."""
     seqs = jnp.sum(_per_sequence(mask, segment, n) > 0)
-    return jnp.stack([jnp.sum(mask), seqs]).astype(jnp.float32)
+    valued = jnp.sum(steps) if steps is not None else jnp.zeros(())
+    return jnp.stack([jnp.sum(mask), seqs, valued]).astype(jnp.float32)
 
 
 def _aggregate(per_token: jax.Array, b: Batch, how: str, denom: jax.Array, n: int) -> jax.Array:
@@ -144,14 +186,16 @@ def make_train_step(
         jit_args |= {"in_shardings": (state_sh, batch_sh), "out_shardings": (state_sh, replicated)}
 
     def loss_fn(
-        params: Any,
+        trainable: Any,
         mb: Batch,
         prox: jax.Array | None,
         ref: jax.Array | None,
+        valued: Any,
         denom: jax.Array,
         n: int,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        logp, entropy = _logprobs_and_entropy(graphdef, params, mb)
+        params, critic = trainable
+        logp, entropy, value = _forward(graphdef, params, critic, mb)
         if prox is None:  # one update per step: the proximal policy is this one
             prox = jax.lax.stop_gradient(logp)
         mask, adv = mb.mask, mb.advantage
@@ -181,6 +225,11 @@ def make_train_step(
             per_token = per_token + cfg.kl_coef * kl_ref
             metrics["kl_ref"] = jnp.sum(kl_ref * mask) / tokens
         loss = _aggregate(per_token, mb, cfg.aggregation, denom, n)
+        if value is not None:  # PPO's critic: squared error to the GAE targets
+            target, steps = valued
+            value_loss = 0.5 * jnp.sum((value - target) ** 2 * steps) / jnp.maximum(denom[2], 1)
+            loss = loss + cfg.value_coef * value_loss
+            metrics["value_loss"] = value_loss
         is_w = jnp.exp(jnp.minimum(prox - mb.behaviour, _MAX_LOG_RATIO))
         metrics |= {
             "loss": loss,
@@ -193,24 +242,25 @@ def make_train_step(
         }
         return loss, metrics
 
-    def gradients(params: Any, mb: Any, n: int) -> tuple[dict[str, jax.Array], Any]:
+    def gradients(trainable: Any, mb: Any, n: int) -> tuple[dict[str, jax.Array], Any]:
         """The minibatch's loss gradients, accumulated over ``cfg.microbatches`` slices
         of its rows (each normalised by the whole minibatch, so the sum is exact). A
         sequence never spans rows, so no slice splits one."""
-        batch, prox, ref = mb
-        denom = denominators(batch.mask, batch.segment, n)
+        batch, prox, ref, valued = mb
+        steps = valued[1] if valued is not None else None
+        denom = denominators(batch.mask, batch.segment, n, steps)
         k = cfg.microbatches
         grad_fn = jax.value_and_grad(functools.partial(loss_fn, n=n), has_aux=True)
         if k == 1:
-            (_, metrics), grads = grad_fn(params, batch, prox, ref, denom)
+            (_, metrics), grads = grad_fn(trainable, batch, prox, ref, valued, denom)
             return metrics, grads
         micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), mb)
 
         def accumulate(total: Any, one: Any) -> tuple[Any, Any]:
-            (_, metrics), grads = grad_fn(params, *one, denom)
+            (_, metrics), grads = grad_fn(trainable, *one, denom)
             return jax.tree.map(jnp.add, total, grads), metrics
 
-        zeros = jax.tree.map(jnp.zeros_like, params)
+        zeros = jax.tree.map(jnp.zeros_like, trainable)
         grads, metrics = jax.lax.scan(accumulate, zeros, micro)
         # the loss is one normalised sum in k parts; the other metrics are averaged
         reduce: dict[str, Any] = {"loss": jnp.sum, "is_weight_max": jnp.max}
@@ -223,21 +273,32 @@ def make_train_step(
         # the reference policy only matters with a KL term.
         batch = batch.per_token()
         n = batch.tokens.size  # a bound on the batch's segment ids
-        prox = ref = None
-        if cfg.minibatches > 1:
-            prox = jax.lax.stop_gradient(_logprobs_and_entropy(graphdef, state.params, batch)[0])
+        prox = ref = valued = None
+        if cfg.minibatches > 1 or state.critic is not None:
+            logp0, _, value0 = _forward(graphdef, state.params, state.critic, batch)
+            if cfg.minibatches > 1:
+                prox = jax.lax.stop_gradient(logp0)
+            if value0 is not None:
+                adv, target, steps = jax.lax.stop_gradient(
+                    _advantages_from_critic(cfg, value0, batch)
+                )
+                batch = batch._replace(advantage=adv)
+                valued = (target, steps)
         if cfg.kl_coef:
             if state.reference is None:
                 raise ValueError("a KL term needs a state made with a reference policy")
             ref = _logprobs_and_entropy(graphdef, state.reference, batch)[0]
         m = cfg.minibatches
         split = jax.tree.map(
-            lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), (batch, prox, ref)
+            lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), (batch, prox, ref, valued)
         )
+        with_critic = state.critic is not None
 
         def update(carry: tuple[Any, Any], mb: Any) -> tuple[tuple[Any, Any], Any]:
-            params, opt_state = carry
-            metrics, grads = gradients(params, mb, n)
+            trainable, opt_state = carry
+            metrics, grads = gradients(trainable, mb, n)
+            if not with_critic:  # the optimizer's state covers the policy alone
+                trainable, grads = trainable[0], grads[0]
             metrics["grad_norm"] = optax.tree.norm(grads)
             ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
 
@@ -253,13 +314,16 @@ def make_train_step(
             # would make are all finite, decided before anything is written: the check
             # runs the optimizer once without keeping its result (XLA fuses it leaf by
             # leaf), so no second copy of the state is needed to undo an update.
-            args = (params, opt_state, grads)
+            args = (trainable, opt_state, grads)
             ok = jax.lax.cond(ok, stays_finite, lambda a: jnp.asarray(False), args)
-            carry = jax.lax.cond(ok, apply, lambda a: (a[0], a[1]), args)
+            trainable, opt_state = jax.lax.cond(ok, apply, lambda a: (a[0], a[1]), args)
+            if not with_critic:
+                trainable = (trainable, None)
             metrics["finite"] = ok
-            return carry, metrics
+            return (trainable, opt_state), metrics
 
-        (params, opt_state), metrics = jax.lax.scan(update, (state.params, state.opt_state), split)
+        start = ((state.params, state.critic), state.opt_state)
+        ((params, critic), opt_state), metrics = jax.lax.scan(update, start, split)
         applied = jnp.all(metrics.pop("finite"))
         metrics = jax.tree.map(jnp.mean, metrics)
         metrics["applied"] = applied.astype(jnp.float32)
@@ -267,22 +331,30 @@ def make_train_step(
         if m > 1:
             # all or nothing: minibatches before a non-finite one are undone too (this
             # keeps the step's starting state alive, twice the memory of one update)
-            params, opt_state = jax.tree.map(
+            params, critic, opt_state = jax.tree.map(
                 lambda a, b: jnp.where(applied, a, b),
-                (params, opt_state),
-                (state.params, state.opt_state),
+                (params, critic, opt_state),
+                (state.params, state.critic, state.opt_state),
             )
-        return TrainState(params, opt_state, step, state.reference), metrics
+        return TrainState(params, opt_state, step, state.reference, critic), metrics
 
     return train_step
 
 
 def init_state(
-    model: Transformer, tx: optax.GradientTransformation, reference: bool = True
+    model: Transformer,
+    tx: optax.GradientTransformation,
+    reference: bool = True,
+    critic: bool = False,
 ) -> tuple[Any, TrainState]:
     """The model's graph definition and a fresh training state; with ``reference`` the
     initial parameters are kept as the KL term's reference (a second copy of the model
-    once training moves them, so leave it out when there is no KL term)."""
+    once training moves them, so leave it out when there is no KL term); with
+    ``critic`` a value head (PPO)."""
     graphdef, params = nnx.split(model)
     ref = params if reference else None
-    return graphdef, TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), ref)
+    step = jnp.zeros((), jnp.int32)
+    if not critic:
+        return graphdef, TrainState(params, tx.init(params), step, ref)
+    head = init_critic(model.cfg.d_model)
+    return graphdef, TrainState(params, tx.init((params, head)), step, ref, head)

@@ -105,6 +105,7 @@ class Trainer:
             initial_model(cfg.model, cfg.seed, training=True),
             self.tx,
             reference=cfg.grpo.kl_coef > 0,
+            critic=cfg.grpo.advantage == "gae",
         )
         shardings = state_shardings(state, self.mesh)
         self.state = self.members.put(state, shardings)
@@ -398,21 +399,14 @@ class Trainer:
     def warm_up(self) -> None:
         """Compile the step for every batch shape now (ahead of time: nothing runs and
         the state is not touched), so that no step compiles once training runs."""
-        from pipeline.train.grpo import Batch
-
         for r, t in self._shapes():
             # a stop during start-up is not held up by compiles (a group stops together)
             if self.members.agree([self.stop_event.is_set()])[:, 0].any():
                 return
-            empty = Batch(
-                np.zeros((r, t), np.int32),
-                np.zeros((r, t), np.float32),
-                np.zeros((r, t), np.float32),
-                np.zeros(r, np.float32),
-                np.zeros(r, np.float32),
-            )
             if self.cfg.packing:
-                empty = pack([], r, t)[0]
+                empty = pack([], r, t, self.cfg.grpo)[0]
+            else:
+                empty = assemble([], r, self.cfg.buckets, self.cfg.grpo, length=t)[0]
             batch = self.members.batch(empty, self.batch_sharding)
             self.train_step.lower(self.state, batch).compile()
 

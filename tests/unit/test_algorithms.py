@@ -205,6 +205,8 @@ def test_packing_lays_trajectories_into_segments() -> None:
         {"aggregation": "seq_mean_token_mean", "correction": "tis"},
         {"aggregation": "seq_mean_token_sum", "microbatches": 2},
         {"ratio": "sequence", "kl_coef": 0.1},
+        {"advantage": "gae"},
+        {"advantage": "gae", "credit": "turn", "microbatches": 2},
     ],
 )
 def test_a_packed_batch_trains_exactly_as_one_row_per_trajectory(variant: dict[str, Any]) -> None:
@@ -216,11 +218,82 @@ def test_a_packed_batch_trains_exactly_as_one_row_per_trajectory(variant: dict[s
     for batch in (bucketed, packed):
         model = init_model(CFG, seed=0)
         tx = cfg.optimizer()
-        graphdef, state = init_state(model, tx, reference=cfg.kl_coef > 0)
+        critic = cfg.advantage == "gae"
+        graphdef, state = init_state(model, tx, reference=cfg.kl_coef > 0, critic=critic)
         state, metrics = make_train_step(graphdef, cfg, tx)(state, batch)
-        results.append((metrics, state.params))
+        results.append((metrics, (state.params, state.critic)))
     (m1, p1), (m2, p2) = results
     for k in ("loss", "grad_norm", "entropy", "clip_fraction"):
         assert float(m2[k]) == pytest.approx(float(m1[k]), rel=1e-4, abs=1e-6), k
     for x, y in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-6)
+
+
+def _gae_by_hand(
+    v: np.ndarray, r: np.ndarray, m: np.ndarray, turns: list[list[int]], gamma: float, lam: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """GAE over the given steps (each a list of token indices; valued at its first token,
+    rewarded with the sum over its tokens), by the textbook recursion."""
+    adv, target = np.zeros_like(v), np.zeros_like(v)
+    a_next = v_next = 0.0
+    for step in reversed(turns):
+        first = step[0]
+        delta = sum(r[t] for t in step) + gamma * v_next - v[first]
+        a = delta + gamma * lam * a_next
+        for t in step:
+            adv[t] = a * m[t]
+        target[first] = a + v[first]
+        a_next, v_next = a, v[first]
+    return adv, target
+
+
+@pytest.mark.parametrize("credit", ["token", "turn"])
+def test_gae_matches_the_recursion_by_hand(credit: str) -> None:
+    from pipeline.train.critic import gae
+
+    rng = np.random.default_rng(0)
+    # one row holding two sequences: tokens 0-9 (turns 2-4 and 7-8) and 10-15 (turn 12-14)
+    mask = np.zeros((1, 16), np.float32)
+    mask[0, [2, 3, 4, 7, 8, 12, 13, 14]] = 1
+    segment = np.array([[0] * 10 + [10] * 6], np.int32)
+    reward = np.zeros((1, 16), np.float32)
+    reward[0, 8], reward[0, 14] = 1.0, -0.5
+    value = rng.standard_normal((1, 16)).astype(np.float32)
+    adv, target, steps = gae(
+        jnp.asarray(value),
+        jnp.asarray(reward),
+        jnp.asarray(mask),
+        jnp.asarray(segment),
+        credit,
+        0.9,
+        0.8,
+    )
+    want_adv, want_target = np.zeros(16), np.zeros(16)
+    for turns in ([[2, 3, 4], [7, 8]], [[12, 13, 14]]):
+        if credit == "token":
+            turns = [[t] for turn in turns for t in turn]
+        a, tg = _gae_by_hand(value[0], reward[0], mask[0], turns, 0.9, 0.8)
+        idx = [t for turn in turns for t in turn]
+        want_adv[idx], want_target[[s[0] for s in turns]] = a[idx], tg[[s[0] for s in turns]]
+    np.testing.assert_allclose(np.asarray(adv)[0], want_adv, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(target)[0], want_target, rtol=1e-5, atol=1e-6)
+    expected_steps = mask[0] if credit == "token" else np.isin(np.arange(16), [2, 7, 12])
+    assert np.asarray(steps)[0].tolist() == expected_steps.astype(float).tolist()
+
+
+def test_ppo_with_a_critic_learns_its_values_and_trains_from_packed_rows() -> None:
+    groups = _groups([[30, 12, 50, 7], [20, 33, 9, 41]])
+    cfg = GRPOConfig(advantage="gae", credit="turn", warmup_steps=1, learning_rate=1e-2)
+    batch, _ = pack(groups, rows=4, length=64, grpo=cfg)
+    assert batch.reward is not None and np.count_nonzero(batch.reward) <= 8
+    tx = cfg.optimizer()
+    graphdef, state = init_state(init_model(CFG, seed=0), tx, reference=False, critic=True)
+    assert state.critic is not None
+    step = make_train_step(graphdef, cfg, tx)
+    losses = []
+    for _ in range(30):
+        state, metrics = step(state, batch)
+        assert float(metrics["applied"]) == 1.0
+        losses.append(float(metrics["value_loss"]))
+    assert losses[-1] < 0.2 * losses[0], losses  # the critic fits the returns it sees
+    assert float(jnp.abs(state.critic["w"]).sum()) > 0
