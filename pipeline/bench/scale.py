@@ -114,7 +114,7 @@ def member(index: int, coordinator: str, steps: int, out: str, rows: int = 16) -
         t0 = time.perf_counter()
         members.agree([1, 64])
         t1 = time.perf_counter()
-        local = Batch(*(np.asarray(x)[index * half : (index + 1) * half] for x in b))
+        local = jax.tree.map(lambda x: np.asarray(x)[index * half : (index + 1) * half], b)
         batch = members.batch(local, sharding)
         t2 = time.perf_counter()
         state, metrics = step(state, batch)

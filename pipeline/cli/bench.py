@@ -30,6 +30,7 @@ def register(sub: Any) -> None:
             "producers",
             "model",
             "scale",
+            "learn",
         ],
     )
     p.add_argument(
@@ -82,8 +83,10 @@ def register(sub: Any) -> None:
         "--steps",
         type=int,
         default=None,
-        help="measured train steps (trainer: 20, async: 30, producers: 60)",
+        help="measured train steps (trainer: 20, async: 30, producers: 60; learn: the "
+        "default run's)",
     )
+    p.add_argument("--seeds", type=int, default=None, help="runs of the default (learn: 5)")
     p.add_argument(
         "--interval", type=float, default=1.5, help="seconds between announcements (weights)"
     )
@@ -97,6 +100,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from pipeline.bench import (
         asyncrl,
         codec,
+        learn,
         model,
         producers,
         rollout,
@@ -118,6 +122,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "producers": producers.run,
         "model": model.run,
         "scale": scale.run,
+        "learn": learn.run,
     }
     result = benches[args.which](args, cluster(args))
     print_result(args, result, format_bench(result))

@@ -177,17 +177,14 @@ class Transformer(nnx.Module):
                 cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dt, param_dtype=dt, rngs=rngs
             )
 
-    def __call__(
-        self,
-        tokens: jax.Array,
-        positions: jax.Array,
-        cache: KVCache | None = None,
-        write: jax.Array | None = None,
-        segments: jax.Array | None = None,
-    ) -> tuple[jax.Array, KVCache | None]:
-        x, cache = self.features(tokens, positions, cache, write, segments)
-        logits = self.embed.attend(x) if self.cfg.tie_embeddings else self.lm_head(x)
-        return logits, cache
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple[jax.Array, KVCache | None]:
+        """Logits over the vocabulary (the arguments of :meth:`features`)."""
+        x, cache = self.features(*args, **kwargs)
+        return self.logits(x), cache
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """The output layer on hidden states from :meth:`features`."""
+        return self.embed.attend(x) if self.cfg.tie_embeddings else self.lm_head(x)
 
     def features(
         self,
@@ -252,7 +249,7 @@ def token_logprobs_entropy_features(
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     x, _ = model.features(tokens, positions, segments=segments)
-    logits = model.embed.attend(x) if model.cfg.tie_embeddings else model.lm_head(x)
+    logits = model.logits(x)
     logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32) / temperature, axis=-1)
     picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
     entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
