@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -121,6 +121,18 @@ class GroupBuffer:
     def __iter__(self) -> Iterator[Group]:
         return iter(list(self._groups.values()))
 
+    def clear(self) -> list[Group]:
+        """Let every waiting group go (its records will be read again)."""
+        out = list(self._groups.values())
+        self._groups.clear()
+        self.records = 0
+        return out
+
+    def forget_done(self, group_ids: Iterable[str]) -> None:
+        """Groups completed but not trained, whose members will be read again."""
+        for gid in group_ids:
+            self._done.pop(gid, None)
+
 
 class GroupQueue:
     """Complete groups per environment, taken in proportion to ``weights``."""
@@ -135,6 +147,13 @@ class GroupQueue:
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._queues.values())
+
+    def clear(self) -> list[Group]:
+        """Let every queued group go (its records will be read again)."""
+        out = [g for q in self._queues.values() for g in q]
+        for q in self._queues.values():
+            q.clear()
+        return out
 
     def take(self, n: int) -> list[Group]:
         """``n`` groups: each time from the environment furthest below its share."""

@@ -71,6 +71,13 @@ from pipeline.train.stale import StaleRanges
 log = logging.getLogger(__name__)
 
 
+def _fatal(err: Any) -> bool:
+    """Whether a Kafka error means the client failed for good (it must be replaced)."""
+    return isinstance(err, confluent_kafka.KafkaError) and (
+        err.fatal() or err.code() == confluent_kafka.KafkaError._FATAL
+    )
+
+
 def _split(key: str) -> tuple[str, int]:
     topic, _, partition = key.rpartition(":")
     return topic, int(partition)
@@ -146,6 +153,9 @@ class Trainer:
         )
         self.judge = RecordJudge(contract, self.tokenizer.id, cfg.max_record_bytes)
         self.commit_failures = 0
+        self.consumer_renewals = 0  # consumers replaced after a fatal error
+        #: why the consumer failed for good (a fatal error), until a new one replaces it
+        self.consumer_failed: str | None = None
         #: offsets of the last checkpoint whose commit failed (retried until it succeeds)
         self._uncommitted: list[Any] = []
         self.trained = 0  # samples trained by this process
@@ -172,16 +182,7 @@ class Trainer:
             return
         if kafka is None:
             raise InvalidConfigError("a trainer needs a Kafka cluster or a recording")
-        # Static membership: a trainer restarted under the same instance id gets its
-        # partitions back at once instead of waiting for the old session to time out.
-        instance = cfg.instance if not self.members.many else f"{cfg.instance}.{cfg.member_index}"
-        self.consumer = kafka.consumer(
-            f"{cfg.namespace}.trainer",
-            **{
-                "group.instance.id": f"{cfg.namespace}.trainer.{instance}",
-                "session.timeout.ms": 30000,
-            },
-        )
+        self.consumer = self._new_consumer()
         # subscribed when training starts (after the warm-up compiles), so that the group
         # never waits on, or hands partitions to, a member that is not reading yet
         self._pattern = (
@@ -244,6 +245,43 @@ class Trainer:
             self.version,
             removed,
         )
+
+    def _new_consumer(self) -> Any:
+        # Static membership: a trainer restarted under the same instance id gets its
+        # partitions back at once instead of waiting for the old session to time out.
+        cfg, kafka = self.cfg, self.kafka
+        assert kafka is not None  # (a trainer from a recording has no consumer to make)
+        instance = cfg.instance if not self.members.many else f"{cfg.instance}.{cfg.member_index}"
+        return kafka.consumer(
+            f"{cfg.namespace}.trainer",
+            **{
+                "group.instance.id": f"{cfg.namespace}.trainer.{instance}",
+                "session.timeout.ms": 30000,
+            },
+        )
+
+    def _renew_consumer(self) -> None:
+        """Replace a consumer that failed for good (a fatal error: e.g. fenced by the
+        group after a broker restart) by a new one that reads on from this trainer's own
+        positions. What is read and not settled (groups waiting to complete or to be
+        trained) is let go and read again, so nothing is lost and nothing trained twice:
+        settled offsets stay settled, and the checkpoint holds the same positions."""
+        log.warning(
+            "the Kafka consumer failed for good (%s); a new one reads on from the "
+            "trainer's positions",
+            self.consumer_failed,
+        )
+        dropped = self.buffer.clear() + self.ready.clear()
+        self.buffer.forget_done(g.group_id for g in dropped)
+        self.tracker = PositionTracker.from_json(self.tracker.to_json())  # pending let go
+        try:
+            self.consumer.close()
+        except (confluent_kafka.KafkaException, RuntimeError) as e:
+            log.info("the failed consumer did not close cleanly: %s", e)
+        self.consumer = self._new_consumer()
+        self.consumer_failed = None
+        self.consumer_renewals += 1
+        self._subscribe()
 
     def _subscribe(self) -> None:
         """A trainer alone subscribes to every rollout topic (static membership: a
@@ -317,6 +355,8 @@ class Trainer:
             self._subscribe()
         try:
             while True:
+                if self.consumer_failed is not None and not self.stop_event.is_set():
+                    self._renew_consumer()
                 t0 = time.perf_counter()
                 # block on Kafka only when there is no batch to train
                 starving = len(self.ready) < self.quota
@@ -415,6 +455,8 @@ class Trainer:
         if err is not None:
             if err.code() != confluent_kafka.KafkaError._PARTITION_EOF:
                 log.warning("consumer error=%s", err.str())
+            if _fatal(err):
+                self.consumer_failed = err.str()
             return
         tp = (m.topic(), m.partition())
         where = Coordinates(m.topic(), m.partition(), m.offset(), m.timestamp()[1])
@@ -715,6 +757,8 @@ class Trainer:
         except confluent_kafka.KafkaException as e:
             self.commit_failures += 1
             log.warning("offset commit failed (retried in 2 s): %s", e)
+            if e.args and _fatal(e.args[0]):
+                self.consumer_failed = e.args[0].str()
 
     def _own_positions(self) -> dict[str, Any]:
         """The positions this member saves: in a group, only those of the partitions it

@@ -360,3 +360,40 @@ def test_dynamic_sampling_drops_groups_without_signal_and_says_so(
     assert dropped and {by_id[d[0]] for d in dropped} <= flat
     trained = {by_id[t[0]] for e in entries for t in e["trained"]}
     assert len(trained) == 2 * steps and not trained & flat
+
+
+def test_a_trainer_fenced_out_of_its_group_reads_on_with_a_new_consumer(
+    kafka: KafkaConfig, namespace: str, tmp_path: Path
+) -> None:
+    """A consumer with the trainer's static instance id joins the group: Kafka fences the
+    trainer's consumer for good (a fatal error, as after some broker restarts). The
+    trainer replaces it and trains everything exactly once."""
+    ensure_topics(kafka, namespace_topics(namespace, ["math"], 2))
+    ids = produce_groups(kafka, namespace, 4)
+    trainer = Trainer(trainer_config(namespace, tmp_path, max_staleness=100), kafka)
+    th = threading.Thread(target=trainer.run, daemon=True)
+    th.start()
+    try:
+        deadline = time.monotonic() + 120
+        while trainer.version < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert trainer.version >= 1
+        intruder = kafka.consumer(
+            f"{namespace}.trainer",
+            **{"group.instance.id": f"{namespace}.trainer.0", "session.timeout.ms": 30000},
+        )
+        intruder.subscribe([rollout_topic(namespace, "math")])
+        deadline = time.monotonic() + 60
+        while trainer.consumer_renewals == 0 and time.monotonic() < deadline:
+            intruder.poll(0.5)
+        intruder.close()
+        assert trainer.consumer_renewals >= 1, "the trainer's consumer was never fenced"
+        ids += produce_groups(kafka, namespace, 4, seed=1)
+        deadline = time.monotonic() + 120
+        while trainer.trained < len(ids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        trainer.stop()
+        th.join(60)
+    trained = [t[0] for e in read_ledger(tmp_path / "ledger.jsonl") for t in e["trained"]]
+    assert sorted(trained) == sorted(ids)  # each once, none lost
