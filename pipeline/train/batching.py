@@ -226,7 +226,8 @@ def assemble(
     """A batch of exactly ``rows`` rows, one trajectory per row (padding rows have
     ``valid`` 0) and the members in row order, with each group's advantages; its length
     is the bucket of the longest member, or ``length`` (the group's agreed one)."""
-    rated = _advantaged(groups, grpo or GRPOConfig())
+    grpo = grpo or GRPOConfig()
+    rated = _advantaged(groups, grpo)
     longest = max((m.trajectory.num_tokens for m, _, _ in rated), default=0)
     t = bucket_for(longest, buckets) if length is None else length
     if t is None or longest > t:
@@ -249,7 +250,7 @@ def assemble(
         if last is not None:
             reward[r, last] = rew
     batch = Batch(tokens, mask, behaviour, advantage, valid)
-    if (grpo or GRPOConfig()).advantage == "gae":
+    if grpo.advantage == "gae":
         batch = batch._replace(reward=reward)
     return batch, [m for m, _, _ in rated]
 
@@ -298,7 +299,8 @@ def pack(
     Segment ids are the flat index of the segment's first token, counted from row
     ``first_row`` (this member's first row of a group's batch), so they are unique in
     the whole batch."""
-    rated = _advantaged(groups, grpo or GRPOConfig())
+    grpo = grpo or GRPOConfig()
+    rated = _advantaged(groups, grpo)
     layout = _first_fit([m.trajectory.num_tokens for m, _, _ in rated], length)
     if len(layout) > rows:
         raise ValueError(f"{len(rated)} trajectories need {len(layout)} rows, not {rows}")
@@ -343,6 +345,6 @@ def pack(
         valid,
         segment.astype(np.int32),
         position,
-        reward if (grpo or GRPOConfig()).advantage == "gae" else None,
+        reward if grpo.advantage == "gae" else None,
     )
     return batch, members
