@@ -1,4 +1,5 @@
-"""``rlstream bench learn``: does the default run learn every time, not on average?
+"""``rlstream bench learn``: does the default run learn every time, not on average? And
+an ablation of any of its settings, the same way.
 
 The default ``rlstream run`` (the settings ``infra/dev.sh run`` uses) is run ``--seeds``
 times, each with its own seed (the initial parameters, the producers' sampling and the
@@ -6,60 +7,122 @@ held-out tasks' draws differ), one after the other on the same broker. Each run 
 its initial and final policy on the same held-out episodes; the figures are the minimum,
 median and maximum gain in points of held-out success, and the longest wall time of a
 whole run (start-up, training, both evaluations).
+
+``--grid KEY=V1,V2,...`` (repeatable; any setting of ``rlstream run`` by its dotted name)
+runs every combination of the values, each over the same seeds, and reports the figures
+per combination: the staleness ablation is
+``--grid max_staleness=8 --grid grpo.correction=none,tis,decoupled --seeds 2``.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import itertools
+import json
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
+from pipeline.errors import InvalidConfigError
 from pipeline.launch.cluster import Cluster
 from pipeline.launch.config import RunConfig
 from pipeline.launch.run import Run
 from pipeline.launch.stop import StopFlag
+from pipeline.settings import leaf_paths, resolve
+
+
+def grid(items: list[str]) -> list[dict[str, Any]]:
+    """Every combination of ``KEY=V1,V2,...`` items, as settings of ``rlstream run`` by
+    dotted name (values read as JSON where they parse, else as text); one empty
+    combination without items. An unknown key is refused with the nearest known one."""
+    known = leaf_paths(RunConfig)
+    axes: list[list[tuple[str, Any]]] = []
+    for item in items:
+        key, sep, values = item.partition("=")
+        if not sep or not key or not values:
+            raise InvalidConfigError(f"--grid {item!r} is not KEY=V1,V2,...")
+        if key not in known:
+            near = difflib.get_close_matches(key, list(known), 1)
+            hint = f" (did you mean {near[0]}?)" if near else ""
+            raise InvalidConfigError(f"--grid: {key!r} is not a setting of rlstream run{hint}")
+        axes.append([(key, _value(v)) for v in values.split(",")])
+    return [dict(combo) for combo in itertools.product(*axes)]
+
+
+def _value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _label(settings: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in settings.items()) or "default"
 
 
 def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
     seeds = args.seeds or 5
     stamp = time.strftime("%Y%m%d-%H%M%S")
     base = Path(args.run_dir or f"runs/bench-learn-{stamp}")
+    combos = grid(list(getattr(args, "grid", None) or []))
+    fixed = {"steps": args.steps} if args.steps else {}
+    configs = [resolve(RunConfig, {**fixed, **c}) for c in combos]  # refused before any run
     stop = StopFlag().install()
-    gains: list[float] = []
-    walls: list[float] = []
+    results: list[dict[str, Any]] = []
     with cluster as kafka:
-        for seed in range(seeds):
-            cfg = RunConfig(seed=seed, **({"steps": args.steps} if args.steps else {}))
-            print(f"== seed {seed}: {cfg.steps} steps", flush=True)
-            t0 = time.monotonic()
-            result = Run(
-                cfg,
-                kafka,
-                base / f"seed{seed}",
-                f"bench-learn-{stamp}-{seed}",
-                stop.event,
-                live=False,
-            ).execute()
-            walls.append(time.monotonic() - t0)
-            gain = result.figures.get("success_gain_points")
-            if result.status != "completed" or gain is None:
-                raise RuntimeError(f"the run of seed {seed} did not complete: {result.failure}")
-            gains.append(float(gain))
-            print(f"   gain {gain:+.1f} points in {walls[-1]:.0f} s", flush=True)
+        for n, (settings, cfg) in enumerate(zip(combos, configs, strict=True)):
+            gains: list[float] = []
+            walls: list[float] = []
+            finals: list[float] = []
+            stale: list[float] = []
+            for seed in range(seeds):
+                seeded = resolve(RunConfig, {**fixed, **settings, "seed": seed})
+                print(f"== {_label(settings)} seed {seed}: {cfg.steps} steps", flush=True)
+                t0 = time.monotonic()
+                result = Run(
+                    seeded,
+                    kafka,
+                    base / (f"{n}-seed{seed}" if len(combos) > 1 else f"seed{seed}"),
+                    f"bench-learn-{stamp}-{n}-{seed}",
+                    stop.event,
+                    live=False,
+                ).execute()
+                walls.append(time.monotonic() - t0)
+                gain = result.figures.get("success_gain_points")
+                if result.status != "completed" or gain is None:
+                    raise RuntimeError(
+                        f"the run of {_label(settings)} seed {seed} did not complete: "
+                        f"{result.failure}"
+                    )
+                gains.append(float(gain))
+                finals.append(float(result.figures["success_final"]))
+                stale.append(float(result.figures.get("staleness_mean") or 0.0))
+                print(f"   gain {gain:+.1f} points in {walls[-1]:.0f} s", flush=True)
+            results.append(
+                {
+                    "settings": settings,
+                    "gain_points": gains,
+                    "gain_min_points": min(gains),
+                    "gain_median_points": statistics.median(gains),
+                    "gain_max_points": max(gains),
+                    "success_final": finals,
+                    "staleness_mean": [round(s, 2) for s in stale],
+                    "wall_s": [round(w, 1) for w in walls],
+                    "wall_max_s": round(max(walls), 1),
+                }
+            )
+    figures: dict[str, Any] = {"seeds": seeds, "run_dirs": str(base)}
+    if len(results) == 1:
+        figures |= {k: v for k, v in results[0].items() if k != "settings"}
+    else:
+        figures["variants"] = {_label(r["settings"]): r for r in results}
+        figures["gain_min_points"] = min(r["gain_min_points"] for r in results)
+        figures["wall_max_s"] = max(r["wall_max_s"] for r in results)
     return {
         "bench": "learn",
-        "figures": {
-            "seeds": seeds,
-            "gain_points": gains,
-            "gain_min_points": min(gains),
-            "gain_median_points": statistics.median(gains),
-            "gain_max_points": max(gains),
-            "wall_s": [round(w, 1) for w in walls],
-            "wall_max_s": round(max(walls), 1),
-            "run_dirs": str(base),
-        },
+        "figures": figures,
         "ratios": {},
         "goals": {"gain_min_points": ">= 30", "wall_max_s": "<= 600"},
     }

@@ -37,7 +37,10 @@ def register(sub: Any) -> None:
         "--model",
         default=None,
         help="a Hugging Face checkpoint directory (model; default: random tiny and "
-        "0.5b-shape Qwen2 checkpoints)",
+        "0.5b-shape Qwen2 checkpoints); a preset, tiny, small or base (weights: tiny)",
+    )
+    p.add_argument(
+        "--lora-rank", type=int, default=8, help="rank of the adapters announced (weights)"
     )
     p.add_argument(
         "--seconds",
@@ -87,6 +90,14 @@ def register(sub: Any) -> None:
         "default run's)",
     )
     p.add_argument("--seeds", type=int, default=None, help="runs of the default (learn: 5)")
+    p.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="learn: run every combination of these values of a run setting (repeatable), "
+        "e.g. --grid grpo.correction=none,tis,decoupled",
+    )
     p.add_argument(
         "--interval", type=float, default=1.5, help="seconds between announcements (weights)"
     )

@@ -8,7 +8,10 @@ checked (a newer version, a URI inside an allowed root, the same model configura
 tokenizer, a digest that matches the files, the version the files themselves name) and
 restored with orbax on the subscriber's thread from a private copy made while hashing
 (what is restored is exactly what was verified; a link out of the allowed roots is
-refused); parameters that are not all finite are refused. Only then is it handed over,
+refused); parameters that are not all finite are refused. An announcement of LoRA
+adapters (``format: orbax-lora``) names the base they apply to, by URI and digest: the
+base is verified and restored the same way the first time, kept, and each version after
+that moves only its adapters. Only then is it handed over,
 so sampling never waits for I/O. A refused announcement, a failed restore or any error
 while handling one keeps the old weights and the thread, and is logged (one line) and
 counted.
@@ -34,12 +37,15 @@ from pipeline.kafka.topics import weights_topic
 from pipeline.observe.telemetry import span
 from pipeline.policy.checkpoint import digest, restore_params, saved_version, snapshot
 from pipeline.policy.config import ModelConfig
+from pipeline.policy.lora import adapter_meta, merged, restore_adapters
 from pipeline.policy.model import all_finite
 from pipeline.records.codec import AvroCodec
 
 log = logging.getLogger(__name__)
 
 KEY = b"policy"
+#: checkpoint formats: full parameters, or LoRA adapters on a base named inside them
+FORMATS = ("orbax", "orbax-lora")
 #: announcements of the backlog kept at start, newest tried first
 BACKLOG = 8
 
@@ -121,6 +127,8 @@ class WeightsSubscriber:
         #: the newest version announced for this model and tokenizer (loaded or not): how
         #: far the trainer is ahead of the weights this producer samples with
         self.announced = current_version
+        #: the base LoRA adapters apply to, once loaded: (its digest, its parameters)
+        self._base: tuple[str, Any] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="weights", daemon=True)
 
@@ -218,13 +226,16 @@ class WeightsSubscriber:
         except InvalidConfigError as e:
             self._refuse("model_config", str(e))
             return False
+        if ann["format"] not in FORMATS:
+            self._refuse("format", f"{ann['format']!r} is not one of {', '.join(FORMATS)}")
+            return False
         try:
             path = checkpoint_path(ann["checkpoint_uri"], self.allowed_roots)
         except ValueError as e:
             self._refuse("uri", str(e))
             return False
         with span("weights_restore", "weights", version=version):
-            params = self._verified(path, ann["digest"], version)
+            params = self._verified(path, ann["digest"], version, ann["format"])
         if params is None:
             return False
         self.version = version
@@ -233,40 +244,80 @@ class WeightsSubscriber:
         self.on_weights(params, version)
         return True
 
-    def _verified(self, path: Path, announced: str, version: int) -> Any:
+    def _verified(self, path: Path, announced: str, version: int, fmt: str = "orbax") -> Any:
         """The parameters at ``path`` if its files hash to ``announced`` and say
         ``version``, and every parameter is finite; else None (refused). They are
-        restored from a private copy made while hashing."""
-        with tempfile.TemporaryDirectory(prefix="rlstream-weights-") as tmp:
-            copy = Path(tmp) / "ckpt"
-            try:
-                actual = snapshot(path, self.allowed_roots, copy)
-            except ValueError as e:
-                self._refuse("uri", str(e))
-                return None
-            except OSError as e:
-                self._refuse("unreadable", str(e))
-                return None
-            if actual != announced:
-                self._refuse("digest", f"{path}: announced {announced}, found {actual}")
-                return None
-            try:
-                saved = saved_version(copy)
-            except ValueError as e:
-                self._refuse("version", str(e))
-                return None
-            if saved is not None and saved != version:
-                self._refuse("version", f"announced version {version}, the files say {saved}")
-                return None
-            try:
-                params = restore_params(copy, self.cfg)
-            except Exception as e:  # any orbax failure keeps the old weights
-                self._refuse("restore", repr(e))
-                return None
+        restored from a private copy made while hashing; adapters (``orbax-lora``) are
+        merged into their verified base."""
+        try:
+            with tempfile.TemporaryDirectory(prefix="rlstream-weights-") as tmp:
+                copy = self._copy(path, announced, Path(tmp) / "ckpt")
+                try:
+                    saved = saved_version(copy)
+                    meta = adapter_meta(copy)
+                except ValueError as e:
+                    raise _Refusal("version", str(e)) from None
+                if saved is not None and saved != version:
+                    raise _Refusal("version", f"announced version {version}, the files say {saved}")
+                if (meta is not None) != (fmt == "orbax-lora"):
+                    raise _Refusal("format", f"announced as {fmt}, the files say otherwise")
+                try:
+                    if meta is None:
+                        params = restore_params(copy, self.cfg)
+                    else:
+                        lora, base_uri, base_digest = meta
+                        base = self._base_params(base_uri, base_digest)
+                        adapters = restore_adapters(copy, self.cfg, lora)
+                        params = merged(base, adapters, lora.scale)
+                except _Refusal:
+                    raise
+                except Exception as e:  # any orbax failure keeps the old weights
+                    raise _Refusal("restore", repr(e)) from None
+        except _Refusal as r:
+            self._refuse(r.reason, r.detail)
+            return None
         if not all_finite(params):
             self._refuse("non_finite", f"parameters of version {version} hold NaN or infinity")
             return None
         return params
+
+    def _copy(self, path: Path, announced: str, into: Path) -> Path:
+        """A private copy of the checkpoint at ``path`` whose files hash to
+        ``announced`` (:class:`_Refusal` otherwise)."""
+        try:
+            actual = snapshot(path, self.allowed_roots, into)
+        except ValueError as e:
+            raise _Refusal("uri", str(e)) from None
+        except OSError as e:
+            raise _Refusal("unreadable", str(e)) from None
+        if actual != announced:
+            raise _Refusal("digest", f"{path}: announced {announced}, found {actual}")
+        return into
+
+    def _base_params(self, uri: str, announced: str) -> Any:
+        """The base checkpoint LoRA adapters name, verified like any announced one and
+        kept: loaded once however many adapter versions follow."""
+        if self._base is not None and self._base[0] == announced:
+            return self._base[1]
+        try:
+            path = checkpoint_path(uri, self.allowed_roots)
+        except ValueError as e:
+            raise _Refusal("uri", f"base: {e}") from None
+        with tempfile.TemporaryDirectory(prefix="rlstream-base-") as tmp:
+            params = restore_params(self._copy(path, announced, Path(tmp) / "base"), self.cfg)
+        if not all_finite(params):
+            raise _Refusal("non_finite", f"the base {path} holds NaN or infinity")
+        self._base = (announced, params)
+        log.info("weights base loaded path=%s", _cut(str(path)))
+        return params
+
+
+class _Refusal(Exception):
+    """An announcement refused for ``reason`` (a counter's name), with a detail."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(reason, detail)
+        self.reason, self.detail = reason, detail
 
 
 def _cut(text: str, limit: int = 300) -> str:

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 from connectors.base import make, with_latency
 from pipeline.errors import InvalidConfigError
-from pipeline.policy.config import ModelConfig, SamplingConfig
+from pipeline.policy.config import LoRAConfig, ModelConfig, SamplingConfig
 from pipeline.rollout.config import AdmissionConfig, EpisodeLimits, ProducerConfig
 from pipeline.train.config import GRPOConfig, TrainerConfig
 
@@ -82,6 +82,8 @@ class RunConfig:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     #: the loss and the optimiser
     grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
+    #: low-rank adapters: with a rank, only they are trained and announced
+    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         make(self.env, **self.env_options)  # a clear error now, not in a child
@@ -144,6 +146,7 @@ class RunConfig:
             metrics_host=self.metrics_host,
             model=self.model,
             grpo=self.grpo,
+            lora=self.lora,
             **group,  # type: ignore[arg-type]
         )
 

@@ -187,3 +187,55 @@ class SamplingConfig:
                 f"temperature must be >= 0 and top_p in (0, 1], got {self.temperature}, "
                 f"{self.top_p}"
             )
+
+
+#: the linear layers of a block low-rank adapters may be put on (gate only exists in the
+#: gated, Hugging Face families)
+LORA_TARGETS = ("q", "k", "v", "out", "gate", "up", "down")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """Low-rank adapters (LoRA): each target kernel ``W`` acts as ``W + alpha / rank * A
+    @ B`` with ``A [in, rank]`` and ``B [rank, out]`` (``B`` zero at first). Only the
+    adapters are trained and announced; the base stays as it was loaded."""
+
+    #: rank of the adapters (0: no adapters, every parameter trained and announced)
+    rank: int = 0
+    #: the adapters' product is scaled by alpha / rank
+    alpha: float = 16.0
+    #: linear layers of every block that get adapters: q, k, v, out, gate, up, down
+    targets: tuple[str, ...] = LORA_TARGETS
+
+    def __post_init__(self) -> None:
+        if (
+            not isinstance(self.rank, int)
+            or isinstance(self.rank, bool)
+            or not (0 <= self.rank <= 4096)
+        ):
+            raise InvalidConfigError(f"lora rank must be an integer in [0, 4096], not {self.rank}")
+        if not isinstance(self.alpha, int | float) or not 0 < self.alpha < 1e6:
+            raise InvalidConfigError(f"lora alpha must be positive, not {self.alpha}")
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if unknown or not self.targets or len(set(self.targets)) != len(self.targets):
+            raise InvalidConfigError(
+                f"lora targets must be distinct names among {', '.join(LORA_TARGETS)}, "
+                f"not {list(self.targets)}"
+            )
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / max(self.rank, 1)
+
+    def to_json(self) -> dict[str, object]:
+        return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets)}
+
+    @classmethod
+    def from_json(cls, fields: object) -> LoRAConfig:
+        """The configuration in ``fields`` (a JSON object); InvalidConfigError otherwise."""
+        if not isinstance(fields, dict) or set(fields) != {"rank", "alpha", "targets"}:
+            raise InvalidConfigError(f"not a LoRA configuration: {str(fields)[:200]}")
+        targets = fields["targets"]
+        if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+            raise InvalidConfigError(f"LoRA targets must be names: {str(targets)[:200]}")
+        return cls(fields["rank"], fields["alpha"], tuple(targets))

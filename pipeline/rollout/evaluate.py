@@ -132,15 +132,15 @@ def evaluate_weights(
     env_options: Mapping[str, Any] | None = None,
 ) -> EvalResult:
     """:func:`evaluate` of the parameters a trainer saved at ``weights`` (a
-    ``weights/v<N>`` folder), or of the initial parameters of ``model_seed`` when None,
-    sampled as producers sample them."""
-    from pipeline.policy.checkpoint import restore_params
+    ``weights/v<N>`` folder: full parameters, or LoRA adapters on their base), or of the
+    initial parameters of ``model_seed`` when None, sampled as producers sample them."""
+    from pipeline.policy.lora import restore_weights
 
     return evaluate(
         env,
         env_options=env_options,
         model=model,
-        params=restore_params(weights, model) if weights is not None else None,
+        params=restore_weights(weights, model) if weights is not None else None,
         version=version,
         model_seed=model_seed,
         episodes=episodes,

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 from pipeline.errors import InvalidConfigError
 from pipeline.kafka.client import MAX_MESSAGE_BYTES
 from pipeline.kafka.topics import check_name
-from pipeline.policy.config import ModelConfig
+from pipeline.policy.config import LoRAConfig, ModelConfig
 from pipeline.records.trajectory import MAX_ABS_REWARD
 
 
@@ -33,8 +33,8 @@ class GRPOConfig:
     clip_high: float = 0.28
     #: truncation of the behaviour importance weight
     is_cap: float = 2.0
-    #: off-policy correction: decoupled (PPO against the proximal policy) or tis
-    #: (truncated importance sampling)
+    #: off-policy correction: decoupled (PPO against the proximal policy), tis
+    #: (truncated importance sampling) or none (stale samples taken as on-policy)
     correction: str = "decoupled"
     #: loss aggregation: token_mean, seq_mean_token_mean or seq_mean_token_sum
     aggregation: str = "token_mean"
@@ -75,8 +75,10 @@ class GRPOConfig:
     overlong_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.correction not in ("decoupled", "tis"):
-            raise InvalidConfigError(f"correction must be decoupled or tis, not {self.correction}")
+        if self.correction not in ("decoupled", "tis", "none"):
+            raise InvalidConfigError(
+                f"correction must be decoupled, tis or none, not {self.correction}"
+            )
         aggs = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
         if self.aggregation not in aggs:
             raise InvalidConfigError(f"aggregation must be one of {aggs}")
@@ -194,6 +196,9 @@ class TrainerConfig:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     #: the loss and the optimiser
     grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
+    #: low-rank adapters: with a rank, only they are trained and announced (producers
+    #: apply them to the base they load once)
+    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         check_name("namespace", self.namespace)

@@ -13,12 +13,19 @@
   behaviour policy itself, ``r = pi / mu``, and its unclipped branch is truncated at
   ``is_cap``.
 
+  ``none`` (the baseline of the staleness ablation): the clipped ratio against the
+  proximal policy and no importance weight, as if every sample were the trainer's own.
+
 - Token-level aggregation: ``token_mean`` (all policy tokens of the batch weigh the same),
   ``seq_mean_token_mean`` or ``seq_mean_token_sum``.
 - The ratio is per token (PPO) or per sequence (GSPO-token: each row's length-normalised
   log-ratio as every token's value, each token's own gradient); clipping with separate
   ``clip_low``/``clip_high`` (DAPO's clip-higher; equal for the symmetric PPO clip).
 - Optional KL to a frozen reference policy (k1 or k3 estimator), weighted by ``kl_coef``.
+- With LoRA (:mod:`pipeline.policy.lora`) the state's ``params`` are the frozen base and
+  its ``adapters`` are what is trained: the policy is the base with the adapters merged
+  in, the optimizer's state covers the adapters alone, and the base is the KL term's
+  reference (no second copy).
 
 A batch is split into ``minibatches`` updates inside the step (``lax.scan``), so clipping
 acts from the second update on; each minibatch's gradient is accumulated over
@@ -37,6 +44,8 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from pipeline.policy.config import LoRAConfig
+from pipeline.policy.lora import init_adapters, merged
 from pipeline.policy.model import (
     Transformer,
     finite_leaves,
@@ -98,6 +107,14 @@ class TrainState(NamedTuple):
     #: the value head's parameters (PPO, ``advantage: gae``), else None; with a critic
     #: the optimizer's state covers ``(params, critic)``
     critic: Any = None
+    #: LoRA adapters (then ``params`` is the frozen base, and the optimizer's state
+    #: covers the adapters in place of the parameters), else None
+    adapters: Any = None
+
+    @property
+    def trained(self) -> Any:
+        """What the optimizer moves: the adapters with LoRA, else the parameters."""
+        return self.params if self.adapters is None else self.adapters
 
 
 def _logprobs_and_entropy(graphdef: Any, params: Any, b: Batch) -> tuple[jax.Array, jax.Array]:
@@ -173,17 +190,24 @@ def make_train_step(
     tx: optax.GradientTransformation,
     donate: bool = False,
     shardings: tuple[Any, Any] | None = None,
+    lora: LoRAConfig | None = None,
 ) -> Any:
     """The jitted ``train_step(state, batch) -> (state, metrics)``. With ``donate`` the
     state passed in is consumed (its buffers hold the new one), so a step needs memory
     for one state, not two; the caller must not use it again. ``shardings`` (the
     state's and the batch's, :mod:`pipeline.train.mesh`) make it one SPMD step over a
-    device mesh, the state keeping its layout from step to step."""
+    device mesh, the state keeping its layout from step to step. ``lora``: the adapters'
+    settings, for a state made with them."""
     jit_args: dict[str, Any] = {"donate_argnums": (0,) if donate else ()}
     if shardings is not None:
         state_sh, batch_sh = shardings
         replicated = NamedSharding(batch_sh.mesh, PartitionSpec())
         jit_args |= {"in_shardings": (state_sh, batch_sh), "out_shardings": (state_sh, replicated)}
+    scale = lora.scale if lora is not None else 0.0
+
+    def policy(base: Any, weights: Any) -> Any:
+        """The policy's parameters: ``weights``, or the adapters merged into ``base``."""
+        return weights if base is None else merged(base, weights, scale)
 
     def loss_fn(
         trainable: Any,
@@ -193,13 +217,14 @@ def make_train_step(
         valued: Any,
         denom: jax.Array,
         n: int,
+        base: Any,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        params, critic = trainable
-        logp, entropy, value = _forward(graphdef, params, critic, mb)
+        weights, critic = trainable
+        logp, entropy, value = _forward(graphdef, policy(base, weights), critic, mb)
         if prox is None:  # one update per step: the proximal policy is this one
             prox = jax.lax.stop_gradient(logp)
         mask, adv = mb.mask, mb.advantage
-        anchor = prox if cfg.correction == "decoupled" else mb.behaviour
+        anchor = mb.behaviour if cfg.correction == "tis" else prox
         log_ratio = logp - anchor
         if cfg.ratio == "sequence":
             log_ratio = _sequence_log_ratio(log_ratio, logp, mb, n)
@@ -209,6 +234,9 @@ def make_train_step(
         ratio = jnp.exp(jnp.minimum(log_ratio, _MAX_LOG_RATIO))
         if cfg.correction == "decoupled":
             weight = jnp.exp(jnp.minimum(prox - mb.behaviour, jnp.log(cfg.is_cap)))
+            unclipped = ratio * adv
+        elif cfg.correction == "none":
+            weight = jnp.ones_like(ratio)
             unclipped = ratio * adv
         else:  # tis: the clipped ratio against the behaviour policy, truncated
             weight = jnp.ones_like(ratio)
@@ -242,7 +270,7 @@ def make_train_step(
         }
         return loss, metrics
 
-    def gradients(trainable: Any, mb: Any, n: int) -> tuple[dict[str, jax.Array], Any]:
+    def gradients(trainable: Any, mb: Any, n: int, base: Any) -> tuple[dict[str, jax.Array], Any]:
         """The minibatch's loss gradients, accumulated over ``cfg.microbatches`` slices
         of its rows (each normalised by the whole minibatch, so the sum is exact). A
         sequence never spans rows, so no slice splits one."""
@@ -250,7 +278,7 @@ def make_train_step(
         steps = valued[1] if valued is not None else None
         denom = denominators(batch.mask, batch.segment, n, steps)
         k = cfg.microbatches
-        grad_fn = jax.value_and_grad(functools.partial(loss_fn, n=n), has_aux=True)
+        grad_fn = jax.value_and_grad(functools.partial(loss_fn, n=n, base=base), has_aux=True)
         if k == 1:
             (_, metrics), grads = grad_fn(trainable, batch, prox, ref, valued, denom)
             return metrics, grads
@@ -274,8 +302,9 @@ def make_train_step(
         batch = batch.per_token()
         n = batch.tokens.size  # a bound on the batch's segment ids
         prox = ref = valued = None
+        base = None if state.adapters is None else state.params
         if cfg.minibatches > 1 or state.critic is not None:
-            logp0, _, value0 = _forward(graphdef, state.params, state.critic, batch)
+            logp0, _, value0 = _forward(graphdef, policy(base, state.trained), state.critic, batch)
             if cfg.minibatches > 1:
                 prox = jax.lax.stop_gradient(logp0)
             if value0 is not None:
@@ -285,9 +314,10 @@ def make_train_step(
                 batch = batch._replace(advantage=adv)
                 valued = (target, steps)
         if cfg.kl_coef:
-            if state.reference is None:
+            reference = state.reference if base is None else base
+            if reference is None:
                 raise ValueError("a KL term needs a state made with a reference policy")
-            ref = _logprobs_and_entropy(graphdef, state.reference, batch)[0]
+            ref = _logprobs_and_entropy(graphdef, reference, batch)[0]
         m = cfg.minibatches
         split = jax.tree.map(
             lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), (batch, prox, ref, valued)
@@ -296,7 +326,7 @@ def make_train_step(
 
         def update(carry: tuple[Any, Any], mb: Any) -> tuple[tuple[Any, Any], Any]:
             trainable, opt_state = carry
-            metrics, grads = gradients(trainable, mb, n)
+            metrics, grads = gradients(trainable, mb, n, base)
             if not with_critic:  # the optimizer's state covers the policy alone
                 trainable, grads = trainable[0], grads[0]
             metrics["grad_norm"] = optax.tree.norm(grads)
@@ -322,8 +352,8 @@ def make_train_step(
             metrics["finite"] = ok
             return (trainable, opt_state), metrics
 
-        start = ((state.params, state.critic), state.opt_state)
-        ((params, critic), opt_state), metrics = jax.lax.scan(update, start, split)
+        start = ((state.trained, state.critic), state.opt_state)
+        ((trained, critic), opt_state), metrics = jax.lax.scan(update, start, split)
         applied = jnp.all(metrics.pop("finite"))
         metrics = jax.tree.map(jnp.mean, metrics)
         metrics["applied"] = applied.astype(jnp.float32)
@@ -331,12 +361,16 @@ def make_train_step(
         if m > 1:
             # all or nothing: minibatches before a non-finite one are undone too (this
             # keeps the step's starting state alive, twice the memory of one update)
-            params, critic, opt_state = jax.tree.map(
+            trained, critic, opt_state = jax.tree.map(
                 lambda a, b: jnp.where(applied, a, b),
-                (params, critic, opt_state),
-                (state.params, state.critic, state.opt_state),
+                (trained, critic, opt_state),
+                (state.trained, state.critic, state.opt_state),
             )
-        return TrainState(params, opt_state, step, state.reference, critic), metrics
+        if base is not None:
+            return state._replace(
+                opt_state=opt_state, step=step, critic=critic, adapters=trained
+            ), metrics
+        return TrainState(trained, opt_state, step, state.reference, critic), metrics
 
     return train_step
 
@@ -346,15 +380,22 @@ def init_state(
     tx: optax.GradientTransformation,
     reference: bool = True,
     critic: bool = False,
+    lora: LoRAConfig | None = None,
+    seed: int = 0,
 ) -> tuple[Any, TrainState]:
     """The model's graph definition and a fresh training state; with ``reference`` the
     initial parameters are kept as the KL term's reference (a second copy of the model
     once training moves them, so leave it out when there is no KL term); with
-    ``critic`` a value head (PPO)."""
+    ``critic`` a value head (PPO); with ``lora`` (rank > 0) adapters made from ``seed``,
+    trained in place of the parameters (which then serve as the reference)."""
     graphdef, params = nnx.split(model)
+    adapters = None
+    if lora is not None and lora.rank:
+        adapters = init_adapters(model.cfg, lora, seed)
+        reference = False
     ref = params if reference else None
+    trained = params if adapters is None else adapters
     step = jnp.zeros((), jnp.int32)
-    if not critic:
-        return graphdef, TrainState(params, tx.init(params), step, ref)
-    head = init_critic(model.cfg.d_model)
-    return graphdef, TrainState(params, tx.init((params, head)), step, ref, head)
+    head = init_critic(model.cfg.d_model) if critic else None
+    opt_state = tx.init(trained if head is None else (trained, head))
+    return graphdef, TrainState(params, opt_state, step, ref, head, adapters)

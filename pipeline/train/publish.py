@@ -1,5 +1,6 @@
 """Publishing a policy version: its parameters saved where producers load them, announced
-on ``<ns>.weights``, and old versions pruned.
+on ``<ns>.weights``, and old versions pruned. With LoRA a version is its adapters alone
+(``format: orbax-lora``), and the base they apply to is saved once as ``weights/base``.
 
 This is the last step of the trainer's durability order (ledger, checkpoint, offsets,
 then this): a producer never hears of a version whose checkpoint is not durable.
@@ -14,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.kafka.weights import announce, announcement
-from pipeline.policy.checkpoint import save_params
+from pipeline.policy.checkpoint import digest, save_params
+from pipeline.policy.lora import save_adapters
 from pipeline.train.config import TrainerConfig
 
 log = logging.getLogger(__name__)
@@ -33,25 +35,52 @@ class WeightsPublisher:
         #: in a trainer group every member saves its shards of the parameters; the lead
         #: (member 0) alone writes the version file, announces and prunes
         self.lead = lead
+        self._base_digest = ""
 
-    def publish(self, version: int, step: int, model: Callable[[], Any], m: dict[str, Any]) -> Path:
+    def publish(
+        self,
+        version: int,
+        step: int,
+        model: Callable[[], Any],
+        m: dict[str, Any],
+        adapters: Callable[[], Any] | None = None,
+    ) -> Path:
         """Version ``version`` of the policy (``model()`` builds it, only if its
         parameters are not saved yet), with the step's float metrics in the
-        announcement."""
+        announcement. With ``adapters`` the version is what they return, and ``model()``
+        is the base they apply to."""
         path = self.cfg.run_dir / "weights" / f"v{version}"
         if not path.exists():
-            save_params(path, model(), version, write_version=self.lead)
+            if adapters is None:
+                save_params(path, model(), version, write_version=self.lead)
+            else:
+                base = self._base(model)
+                args = (version, self.cfg.model, self.cfg.lora, base, self._base_digest)
+                save_adapters(path, adapters(), *args, write_version=self.lead)
         metrics = {k: v for k, v in m.items() if isinstance(v, float)}
         if self.producer is not None and self.lead:
-            self._announce(path, version, step, metrics)
+            fmt = "orbax" if adapters is None else "orbax-lora"
+            self._announce(path, version, step, metrics, fmt)
         if self.lead:
             self._prune()
         return path
 
-    def _announce(self, path: Path, version: int, step: int, metrics: dict[str, float]) -> None:
+    def _base(self, model: Callable[[], Any]) -> Path:
+        """``weights/base``, the parameters adapters apply to, saved the first time."""
+        path = self.cfg.run_dir / "weights" / "base"
+        if not path.exists():
+            save_params(path, model(), 0, write_version=self.lead)
+        if self.lead and not self._base_digest:
+            self._base_digest = digest(path)
+        return path
+
+    def _announce(
+        self, path: Path, version: int, step: int, metrics: dict[str, float], fmt: str
+    ) -> None:
         record = announcement(
             version, step, path, self.cfg.model, self.tokenizer_id, self.cfg.trainer_id, metrics
         )
+        record["format"] = fmt
         try:
             announce(self.producer, self.cfg.namespace, record, timeout=self.cfg.announce_timeout_s)
         except TimeoutError:

@@ -113,6 +113,8 @@ class Trainer:
             self.tx,
             reference=cfg.grpo.kl_coef > 0,
             critic=cfg.grpo.advantage == "gae",
+            lora=cfg.lora,
+            seed=cfg.seed,
         )
         shardings = state_shardings(state, self.mesh)
         self.state = self.members.put(state, shardings)
@@ -124,6 +126,7 @@ class Trainer:
             self.tx,
             donate=True,
             shardings=(shardings, self.batch_sharding),
+            lora=cfg.lora,
         )
         #: this member's groups and rows of a global batch
         self.quota = cfg.groups_per_batch // self.members.count
@@ -693,7 +696,7 @@ class Trainer:
         """Ledger line durable, then the checkpoint, then offsets committed, then (if
         ``announce``) the parameters saved for producers and announced."""
         step = int(self.state.step)
-        if not all_finite(self.state.params):  # never saved, never announced
+        if not all_finite(self.state.trained):  # never saved, never announced
             raise TrainingDivergedError(
                 f"the parameters at step {step} are not finite; nothing was saved or "
                 f"announced after version {self.version - 1}"
@@ -772,6 +775,8 @@ class Trainer:
         return self.tracker.next(tp) - self.tracker.pending_count(tp)
 
     def _announce(self, step: int, m: dict[str, Any]) -> None:
+        state = self.state
+        adapters = None if state.adapters is None else (lambda: state.adapters)
         self.publisher.publish(
-            self.version, step, lambda: nnx.merge(self.graphdef, self.state.params), m
+            self.version, step, lambda: nnx.merge(self.graphdef, state.params), m, adapters
         )

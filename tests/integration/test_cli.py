@@ -127,3 +127,26 @@ def test_bench_telemetry_switches_the_tracer_of_a_running_producer(bootstrap: st
     assert f["telemetry_overhead"] == pytest.approx(f["record_cpu_share"] + f["flush_cpu_share"])
     assert f["flush_cpu_share"] > 0
     assert result.stdout.count("telemetry on") == result.stdout.count("telemetry off") == 2
+
+
+def test_bench_weights_sends_full_weights_and_adapters_to_a_running_producer(
+    bootstrap: str,
+) -> None:
+    result = rlstream(
+        "bench",
+        "weights",
+        "--bootstrap",
+        bootstrap,
+        "--announcements",
+        "2",
+        "--interval",
+        "1",
+        "--json",
+    )
+    assert result.returncode == 0, result.stderr
+    out = last_json(result.stdout)
+    f = out["figures"]
+    assert f["applied"] == f["announcements"] == 4
+    assert f["adapter_bytes"] < f["full_bytes"] <= f["base_bytes"] * 1.1
+    assert f["adapters_first_propagation_s"] > 0 and f["adapters_propagation_p50_s"] > 0
+    assert out["ratios"]["full_vs_adapter_bytes"] > 3

@@ -243,3 +243,70 @@ def test_sigterm_finishes_in_flight_work_and_flushes(bootstrap: str, namespace: 
     assert figures["delivery_failed"] == 0
     got = read_all(KafkaConfig(bootstrap=bootstrap), namespace, figures["delivered"])
     assert len({r.trajectory.trajectory_id for r in got}) == figures["delivered"]
+
+
+def test_announced_adapters_are_applied_on_a_base_loaded_once(
+    kafka: KafkaConfig, namespace: str, tmp_path: Path
+) -> None:
+    from flax import nnx
+
+    from pipeline.policy.checkpoint import digest
+    from pipeline.policy.config import LoRAConfig
+    from pipeline.policy.lora import init_adapters, merged, save_adapters
+
+    ensure_topics(kafka, namespace_topics(namespace, ["guess"], 1))
+    producer = RolloutProducer(producer_config(namespace, checkpoint_roots=(tmp_path,)), kafka)
+    th = run_in_thread(producer)
+    wait_for(lambda: producer.writer.sent >= 4)
+    base_model = init_model(CFG, seed=11)
+    base = save_params(tmp_path / "base", base_model, 0)
+    lora = LoRAConfig(rank=2, alpha=4.0)
+    p = kafka.producer()
+
+    def adapters_of(version: int) -> dict:
+        rng = np.random.default_rng(version)
+        fresh = init_adapters(CFG, lora, version)
+        return {
+            k: {"a": v["a"], "b": rng.normal(0, 0.3, v["b"].shape).astype(np.float32)}
+            for k, v in fresh.items()
+        }
+
+    def publish(version: int, base_digest: str) -> None:
+        path = save_adapters(
+            tmp_path / f"v{version}", adapters_of(version), version, CFG, lora, base, base_digest
+        )
+        record = announcement(version, version, path, CFG, TOKENIZER_ID, "trainer")
+        record["format"] = "orbax-lora"
+        announce(p, namespace, record)
+
+    publish(2, "sha256:" + "0" * 64)  # a base whose digest does not match: refused
+    assert producer.weights is not None
+    wait_for(lambda: producer.weights.refused["digest"] == 1)  # type: ignore[union-attr]
+    publish(3, digest(base))
+    wait_for(lambda: producer.version == 3)
+    loaded_base = producer.weights._base
+    publish(4, digest(base))
+    wait_for(lambda: producer.version == 4)
+    assert producer.weights._base is loaded_base  # the base was not read again
+    sent_at_swap = producer.writer.sent
+    wait_for(lambda: producer.writer.sent >= sent_at_swap + 8, 60)
+    producer.stop()
+    th.join(60)
+    assert producer.weights.accepted == 2 and producer.version == 4
+
+    graphdef, params = nnx.split(base_model)
+    policy = nnx.merge(graphdef, merged(params, adapters_of(4), lora.scale))
+    records = read_all(kafka, namespace, producer.writer.sent)
+    new = [r.trajectory for r in records if r.trajectory.max_version == 4]
+    assert new, "no trajectory carries version 4"
+    t = new[-1]
+    full = np.asarray(token_logprobs(policy, jnp.asarray([t.tokens.tolist()]))[0])
+    base_logp = np.asarray(token_logprobs(base_model, jnp.asarray([t.tokens.tolist()]))[0])
+    checked = 0
+    for span in t.version_spans:
+        if span.version == 4:
+            idx = [i for i in range(span.start, span.end) if t.loss_mask[i]]
+            np.testing.assert_allclose(t.logprobs[idx], full[idx], atol=1e-4)
+            assert np.abs(base_logp[idx] - full[idx]).max() > 1e-3  # the adapters matter
+            checked += len(idx)
+    assert checked

@@ -13,9 +13,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from confluent_kafka import TopicPartition
+from flax import nnx
 
 from pipeline.kafka.client import KafkaConfig
 from pipeline.kafka.topics import (
@@ -397,3 +399,56 @@ def test_a_trainer_fenced_out_of_its_group_reads_on_with_a_new_consumer(
         th.join(60)
     trained = [t[0] for e in read_ledger(tmp_path / "ledger.jsonl") for t in e["trained"]]
     assert sorted(trained) == sorted(ids)  # each once, none lost
+
+
+def test_a_lora_trainer_trains_and_announces_only_its_adapters(
+    kafka: KafkaConfig, namespace: str, tmp_path: Path
+) -> None:
+    from pipeline.policy.checkpoint import restore_params
+    from pipeline.policy.config import LoRAConfig
+    from pipeline.policy.hf_weights import initial_model
+    from pipeline.policy.lora import adapter_meta, restore_weights
+
+    ensure_topics(kafka, namespace_topics(namespace, ["math"], 1))
+    produce_groups(kafka, namespace, 4)
+    lora = LoRAConfig(rank=2, alpha=4.0)
+    cfg = trainer_config(namespace, tmp_path, lora=lora)
+    trainer = Trainer(cfg, kafka)
+    run_until(trainer, lambda: trainer.version >= 2)
+    codec = AvroCodec("WeightsAnnouncement")
+    reader = kafka.consumer(None, **{"enable.partition.eof": True})
+    reader.assign([TopicPartition(weights_topic(namespace), 0, 0)])
+    anns = []
+    while True:
+        m = reader.poll(5)
+        if m is None or m.error() is not None:
+            break
+        anns.append(codec.decode(m.value()))
+    reader.close()
+    assert [(a["policy_version"], a["format"]) for a in anns] == [
+        (1, "orbax-lora"),
+        (2, "orbax-lora"),
+    ]
+    v2 = Path(anns[-1]["checkpoint_uri"])
+    assert anns[-1]["digest"] == digest(v2)
+    meta = adapter_meta(v2)
+    base = tmp_path / "weights" / "base"
+    assert meta == (lora, str(base.absolute()), digest(base))
+
+    def size(p: Path) -> int:
+        return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+    assert size(v2) * 3 < size(base)  # adapters of rank 2 against every parameter
+    # the base is the initial policy, untouched; the announced policy moved away from it
+    initial = jax.tree.map(np.asarray, nnx.state(initial_model(CFG, cfg.seed), nnx.Param))
+    on_disk = restore_params(base, CFG)
+    jax.tree.map(np.testing.assert_array_equal, initial, jax.tree.map(np.asarray, on_disk))
+    jax.tree.map(
+        np.testing.assert_array_equal, initial, jax.tree.map(np.asarray, trainer.state.params)
+    )
+    policy = restore_weights(v2, CFG)
+    moved = max(
+        float(np.abs(np.asarray(a) - b).max())
+        for a, b in zip(jax.tree.leaves(policy), jax.tree.leaves(initial), strict=True)
+    )
+    assert moved > 1e-5

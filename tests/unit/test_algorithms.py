@@ -140,6 +140,30 @@ def test_micro_batches_give_the_update_of_the_whole_batch(aggregation: str) -> N
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)
 
 
+def test_no_correction_takes_stale_samples_as_on_policy() -> None:
+    """``none``: the loss is the plain policy gradient's, ``-mean(A)`` over policy tokens,
+    and the update is the decoupled one of a batch whose behaviour is the trainer's own
+    policy (its importance weights all 1), however stale the samples really are."""
+    model = init_model(CFG, seed=0)
+    stale = _batch(model)
+    logp = np.asarray(token_logprobs(model, jnp.asarray(stale.tokens)))
+    fresh = stale._replace(behaviour=(logp * stale.mask).astype(np.float32))
+    results = []
+    for correction, b in (("none", stale), ("decoupled", fresh)):
+        cfg = GRPOConfig(correction=correction, warmup_steps=1)
+        tx = cfg.optimizer()
+        graphdef, state = init_state(model, tx, reference=False)
+        state, metrics = make_train_step(graphdef, cfg, tx)(state, b)
+        results.append((metrics, state.params))
+    (m_none, p_none), (m_fresh, p_fresh) = results
+    a, mask = stale.advantage[:, None], stale.mask
+    assert float(m_none["loss"]) == pytest.approx(-(a * mask).sum() / mask.sum(), rel=1e-5)
+    assert float(m_none["grad_norm"]) == pytest.approx(float(m_fresh["grad_norm"]), rel=1e-5)
+    for x, y in zip(jax.tree.leaves(p_none), jax.tree.leaves(p_fresh), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)
+    assert float(m_none["is_weight_max"]) > 1.2  # the samples were stale all the same
+
+
 def test_unknown_variants_are_refused() -> None:
     from pipeline.errors import InvalidConfigError
 

@@ -204,3 +204,21 @@ def test_docker_compose_producers_reload_the_weights_the_trainer_writes() -> Non
     assert "checkpoints:/checkpoints:ro" in producer["volumes"]
     for svc in (trainer, producer):  # the source and the pip cache stay mounted
         assert ".:/src:ro" in svc["volumes"]
+
+
+def test_bench_learn_grid_is_every_combination_of_run_settings() -> None:
+    from pipeline.bench.learn import grid
+    from pipeline.launch.config import RunConfig
+    from pipeline.settings import resolve
+
+    combos = grid(["max_staleness=8", "grpo.correction=none,tis,decoupled", "lora.rank=0,4"])
+    assert len(combos) == 6
+    configs = [resolve(RunConfig, c) for c in combos]
+    assert {(c.max_staleness, c.grpo.correction, c.lora.rank) for c in configs} == {
+        (8, corr, r) for corr in ("none", "tis", "decoupled") for r in (0, 4)
+    }
+    assert grid([]) == [{}]
+    with pytest.raises(InvalidConfigError, match="did you mean grpo.correction"):
+        grid(["grpo.corection=none"])
+    with pytest.raises(InvalidConfigError, match="KEY=V1,V2"):
+        grid(["max_staleness"])
