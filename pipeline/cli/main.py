@@ -19,6 +19,22 @@ from pipeline.errors import RlstreamError
 COMMANDS = (broker, replay, env, run, check, produce, train, model, bench, config)
 
 
+def version_line() -> str:
+    """rlstream's version and those of the libraries it trains and streams with."""
+    import platform
+    from importlib import metadata
+
+    from pipeline import __version__
+
+    parts = []
+    for dist in ("jax", "flax", "optax", "orbax-checkpoint", "confluent-kafka", "fastavro"):
+        try:
+            parts.append(f"{dist} {metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            parts.append(f"{dist} missing")
+    return f"rlstream {__version__} ({', '.join(parts)}; Python {platform.python_version()})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlstream",
@@ -27,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "--version", action="version", version=version_line(), help="show versions and exit"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.register(sub)

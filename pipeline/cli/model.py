@@ -69,15 +69,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from pipeline.errors import InvalidConfigError
-    from pipeline.policy.checkpoint import saved_model_config
+    from pipeline.policy.checkpoint import find_weights, saved_model_config
     from pipeline.policy.hf_weights import export
     from pipeline.policy.lora import restore_weights
 
+    weights = find_weights(args.weights)
     try:
-        cfg = saved_model_config(args.weights)
+        cfg = saved_model_config(weights)
     except ValueError as e:
         raise InvalidConfigError(str(e)) from None
-    params = restore_weights(args.weights, cfg)
+    params = restore_weights(weights, cfg)
     out = export(cfg, params, args.output)
-    print(f"wrote {cfg.family} weights of {args.weights} to {out}")
+    print(f"wrote {cfg.family} weights of {weights} to {out}")
     return 0

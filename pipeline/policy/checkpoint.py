@@ -22,6 +22,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tenacity import before_sleep_log, retry, stop_after_attempt, wait_exponential
 
+from pipeline.errors import InvalidConfigError
 from pipeline.policy.config import ModelConfig
 from pipeline.policy.model import Transformer
 
@@ -143,6 +144,60 @@ def _walk(path: Path, roots: Sequence[Path] | None, into: Path | None) -> list[t
             else:
                 raise ValueError(f"{name} is neither a file nor a directory")
     return sorted(files)
+
+
+def find_weights(path: Path) -> Path:
+    """The policy weights ``path`` names for a person: a ``weights/vN`` folder as it is; a
+    run directory or its ``weights`` folder as its newest version; a trainer checkpoint
+    ``checkpoints/N`` as the version it published. Anything else is an
+    :class:`InvalidConfigError` that names the newest weights nearby, if any."""
+    if (path / VERSION_FILE).is_file():
+        return path
+    if path.is_dir() and (path / "weights").is_dir():
+        return _newest(path / "weights")
+    if path.is_dir() and path.name == "weights":
+        return _newest(path)
+    if path.is_dir() and path.parent.name == "checkpoints" and path.name.isdigit():
+        try:
+            version = int(json.loads((path / "meta" / "metadata").read_text())["version"])
+        except (OSError, ValueError, KeyError, TypeError):
+            raise InvalidConfigError(f"{path} is not a trainer checkpoint rlstream wrote") from None
+        published = path.parent.parent / "weights" / f"v{version}"
+        if (published / VERSION_FILE).is_file():
+            return published
+        raise InvalidConfigError(
+            f"the weights of checkpoint {path} (version {version}) are no longer kept"
+            + _nearby(path.parent.parent)
+        )
+    raise InvalidConfigError(
+        f"no policy weights at {path}"
+        + _nearby(path)
+        + "; give a run directory, its weights/vN or its checkpoints/N"
+    )
+
+
+def _versions(weights: Path) -> list[int]:
+    return sorted(
+        int(p.name[1:])
+        for p in weights.glob("v*")
+        if p.name[1:].isdigit() and (p / VERSION_FILE).is_file()
+    )
+
+
+def _newest(weights: Path) -> Path:
+    versions = _versions(weights)
+    if not versions:
+        raise InvalidConfigError(f"{weights} holds no weights yet (the trainer publishes them)")
+    return weights / f"v{versions[-1]}"
+
+
+def _nearby(path: Path) -> str:
+    """``"; the newest available is ..."`` for the run directory above ``path``."""
+    for parent in [path, *path.parents][:4]:
+        weights = parent if parent.name == "weights" else parent / "weights"
+        if weights.is_dir() and _versions(weights):
+            return f"; the newest available is {_newest(weights)}"
+    return ""
 
 
 def saved_model_config(path: Path) -> ModelConfig:

@@ -134,7 +134,15 @@ def evaluate_weights(
     """:func:`evaluate` of the parameters a trainer saved at ``weights`` (a
     ``weights/v<N>`` folder: full parameters, or LoRA adapters on their base), or of the
     initial parameters of ``model_seed`` when None, sampled as producers sample them."""
+    from pipeline.policy.checkpoint import find_weights, saved_model_config
     from pipeline.policy.lora import restore_weights
+
+    if weights is not None:
+        # the weights decide the model they are evaluated in
+        weights = find_weights(weights)
+        saved = saved_model_config(weights)
+        if not saved.same_architecture(model):
+            model = saved
 
     return evaluate(
         env,

@@ -217,12 +217,22 @@ class Trainer:
                 log.info("no checkpoint yet: ledger_lines_removed=%d", removed)
             return
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, self.state)
-        restored = self.ckpt.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
-            ),
-        )
+        try:
+            restored = self.ckpt.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+                ),
+            )
+        except ValueError as e:
+            if "do not match" not in str(e):
+                raise
+            raise InvalidConfigError(
+                f"checkpoint {step} in {self.cfg.run_dir / 'checkpoints'} holds a training "
+                "state of another structure than this trainer's (the model, lora or "
+                "advantage settings differ from the run that wrote it): train with that "
+                "run's settings or into a new run directory"
+            ) from None
         self.state = restored["state"]
         meta = restored["meta"]
         group = meta.get("members", [{"seq": meta["seq"], "positions": meta["positions"]}])

@@ -218,7 +218,7 @@ def test_bench_learn_grid_is_every_combination_of_run_settings() -> None:
         (8, corr, r) for corr in ("none", "tis", "decoupled") for r in (0, 4)
     }
     assert grid([]) == [{}]
-    with pytest.raises(InvalidConfigError, match="did you mean grpo.correction"):
+    with pytest.raises(InvalidConfigError, match=r"did you mean grpo\.correction"):
         grid(["grpo.corection=none"])
     with pytest.raises(InvalidConfigError, match="KEY=V1,V2"):
         grid(["max_staleness"])

@@ -21,7 +21,7 @@ from connectors import protocol
 from connectors.base import Environment, Step, Task
 from connectors.serve import HostError, SessionHost, http_app
 from pipeline.errors import InvalidConfigError, RecordDecodeError
-from pipeline.policy.checkpoint import digest, save_params, saved_version, snapshot
+from pipeline.policy.checkpoint import digest, find_weights, save_params, saved_version, snapshot
 from pipeline.policy.config import ModelConfig
 from pipeline.policy.model import all_finite, init_model
 from pipeline.policy.tokenizer import ByteTokenizer
@@ -446,3 +446,35 @@ def test_an_endless_observation_is_cut_and_the_context_never_overflows() -> None
     assert observations and all(o.end - o.start <= 32 for o in observations)
     assert took < 10
     CODEC.encode(t)
+
+
+def test_weights_paths_are_resolved_for_a_person_or_refused_naming_the_newest(
+    tmp_path: Path,
+) -> None:
+    run = tmp_path / "run"
+    model = init_model(CFG, 1)
+    for v in (3, 5):
+        save_params(run / "weights" / f"v{v}", model, version=v)
+    (run / "weights" / "v9").mkdir()  # a version being written: no version file yet
+    newest = run / "weights" / "v5"
+    assert find_weights(run) == newest
+    assert find_weights(run / "weights") == newest
+    assert find_weights(run / "weights" / "v3") == run / "weights" / "v3"
+    # a trainer checkpoint names the version it published
+    ckpt = run / "checkpoints" / "12"
+    (ckpt / "meta").mkdir(parents=True)
+    (ckpt / "meta" / "metadata").write_text(json.dumps({"version": 3, "seq": 12}))
+    assert find_weights(ckpt) == run / "weights" / "v3"
+    (ckpt / "meta" / "metadata").write_text(json.dumps({"version": 1}))
+    with pytest.raises(InvalidConfigError, match="no longer kept; the newest available is"):
+        find_weights(ckpt)
+    (ckpt / "meta" / "metadata").write_text("{not json")
+    with pytest.raises(InvalidConfigError, match="not a trainer checkpoint"):
+        find_weights(ckpt)
+    with pytest.raises(InvalidConfigError, match=r"no policy weights at .*v7; the newest"):
+        find_weights(run / "weights" / "v7")
+    with pytest.raises(InvalidConfigError, match="no policy weights at /nonexistent; give"):
+        find_weights(Path("/nonexistent"))
+    (tmp_path / "empty" / "weights").mkdir(parents=True)
+    with pytest.raises(InvalidConfigError, match="holds no weights yet"):
+        find_weights(tmp_path / "empty")

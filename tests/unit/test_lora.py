@@ -180,3 +180,22 @@ def test_a_target_the_model_lacks_is_refused_in_one_sentence() -> None:
     gated = ModelConfig(family="llama", d_model=32, num_heads=2, d_ff=64, num_layers=1)
     assert list(layers(gated, LoRAConfig(rank=2, targets=("gate",)))) == ["blocks.0.gate"]
     assert TrainerConfig(lora=LoRAConfig(rank=8)).lora.scale == 2.0
+
+
+def test_a_trainer_restarted_with_other_lora_settings_is_refused_in_one_sentence(
+    tmp_path: Path,
+) -> None:
+    import dataclasses
+
+    from pipeline.train.trainer import Trainer
+
+    class Source:  # a recording with nothing in it
+        def subscribe(self, topics: object, on_assign: object, on_revoke: object) -> None:
+            pass
+
+    cfg = TrainerConfig(namespace="ns", run_dir=tmp_path, buckets=(64,), model=CFG)
+    trainer = Trainer(cfg, None, source=Source())
+    trainer._checkpoint(announce=False)
+    trainer.ckpt.close()
+    with pytest.raises(InvalidConfigError, match="another structure than this trainer's"):
+        Trainer(dataclasses.replace(cfg, lora=LoRAConfig(rank=2)), None, source=Source())

@@ -74,3 +74,17 @@ def test_an_editable_install_prints_no_warning(tmp_path: Path) -> None:
     # (a Python warning: SetuptoolsDeprecationWarning, BuildBackendWarning, ...)
     assert not re.search(r"\w+Warning\b", out.stdout + out.stderr), out.stderr[-2000:]
     assert len(list(tmp_path.glob("rlstream-*.editable-*.whl"))) == 1
+
+
+def test_version_names_rlstream_and_its_libraries(capsys: object) -> None:
+    import pytest
+
+    from pipeline import __version__
+    from pipeline.cli.main import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # type: ignore[attr-defined]
+    assert out.startswith(f"rlstream {__version__} (jax ")
+    assert re.search(r"confluent-kafka \d+\.\d+", out) and "Python 3." in out
