@@ -52,10 +52,11 @@ def cmd_produce(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-    kafka = kafka_config(args)
-    from connectors.base import env_name
+    from connectors.base import env_name, make
 
+    make(cfg.env, **cfg.env_kwargs)  # an unknown environment is refused before connecting
     topic_env = env_name(cfg.env, cfg.env_kwargs)
+    kafka = kafka_config(args)
     ensure_topics(kafka, namespace_topics(cfg.namespace, [topic_env], cfg.partitions))
     stop = StopFlag().install()
     start = time.monotonic()

@@ -186,6 +186,10 @@ _AUTH_CODES = {
 }
 
 
+#: every connection refused for this long: nothing listens at the bootstrap address
+REFUSED_S = 5.0
+
+
 def check_access(kafka: KafkaConfig, timeout_s: float = 60.0) -> None:
     """Fail at once, and say why, when the cluster refuses this client's credentials
     (:class:`KafkaAuthError`), or after ``timeout_s`` when no broker answers; return when
@@ -225,6 +229,7 @@ def _check(
     start = time.monotonic()
     deadline = start + timeout_s
     who = kafka.security.describe()
+    said = False
     while True:
         try:
             admin.list_topics(timeout=1)
@@ -232,6 +237,23 @@ def _check(
         except confluent_kafka.KafkaException as e:
             seen.append(e.args[0])
         admin.poll(0.2)  # serves error_cb: an authentication failure arrives there
+        if not said:
+            log.info("waiting for Kafka at %s (up to %.0f s) ...", kafka.bootstrap, timeout_s)
+            said = True
+        failed = [line for line in logged if " failed: " in line]
+        if (
+            len(failed) >= 3
+            and all("Connection refused" in line for line in failed)
+            and time.monotonic() - start > min(REFUSED_S, timeout_s)
+        ):
+            # nothing listens there (a cluster that is slow to answer still gets the
+            # whole timeout: its connections are not refused)
+            raise KafkaClientError(
+                f"nothing accepts connections at {kafka.bootstrap} (every connection of "
+                f"{who} refused for {min(REFUSED_S, timeout_s):.0f} s): start a local broker "
+                "with `rlstream broker start`, or give the --bootstrap of a running cluster",
+                retriable=True,
+            )
         refused = [
             e for e in seen if isinstance(e, confluent_kafka.KafkaError) and e.code() in _AUTH_CODES
         ]
