@@ -12,6 +12,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -86,6 +87,21 @@ def produce_groups(
     return ids
 
 
+def announcements(kafka: KafkaConfig, ns: str) -> list[dict[str, Any]]:
+    """Every weights announcement on the namespace's topic, in order."""
+    codec = AvroCodec("WeightsAnnouncement")
+    reader = kafka.consumer(None, **{"enable.partition.eof": True})
+    reader.assign([TopicPartition(weights_topic(ns), 0, 0)])
+    anns = []
+    while True:
+        m = reader.poll(5)
+        if m is None or m.error() is not None:
+            break
+        anns.append(codec.decode(m.value()))
+    reader.close()
+    return anns
+
+
 def run_until(trainer: Trainer, cond, timeout: float = 90) -> None:  # type: ignore[no-untyped-def]
     th = threading.Thread(target=trainer.run, daemon=True)
     th.start()
@@ -116,16 +132,7 @@ def test_trains_commits_and_announces_in_order(
     consumer.close()
     assert sum(tp.offset for tp in committed) == 24
     # the last announcement names a durable checkpoint whose digest matches
-    codec = AvroCodec("WeightsAnnouncement")
-    reader = kafka.consumer(None, **{"enable.partition.eof": True})
-    reader.assign([TopicPartition(weights_topic(namespace), 0, 0)])
-    anns = []
-    while True:
-        m = reader.poll(5)
-        if m is None or m.error() is not None:
-            break
-        anns.append(codec.decode(m.value()))
-    reader.close()
+    anns = announcements(kafka, namespace)
     assert [a["policy_version"] for a in anns] == [1, 2, 3]
     last = anns[-1]
     assert last["digest"] == digest(Path(last["checkpoint_uri"]))
@@ -415,16 +422,7 @@ def test_a_lora_trainer_trains_and_announces_only_its_adapters(
     cfg = trainer_config(namespace, tmp_path, lora=lora)
     trainer = Trainer(cfg, kafka)
     run_until(trainer, lambda: trainer.version >= 2)
-    codec = AvroCodec("WeightsAnnouncement")
-    reader = kafka.consumer(None, **{"enable.partition.eof": True})
-    reader.assign([TopicPartition(weights_topic(namespace), 0, 0)])
-    anns = []
-    while True:
-        m = reader.poll(5)
-        if m is None or m.error() is not None:
-            break
-        anns.append(codec.decode(m.value()))
-    reader.close()
+    anns = announcements(kafka, namespace)
     assert [(a["policy_version"], a["format"]) for a in anns] == [
         (1, "orbax-lora"),
         (2, "orbax-lora"),
