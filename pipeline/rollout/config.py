@@ -43,7 +43,9 @@ class AdmissionConfig:
     ``max_staleness`` steps of ``trainer_batch`` trajectories: more would be too stale when
     trained (see :mod:`pipeline.rollout.admission`)."""
 
-    #: pause while the trainer is this many steps behind (-1: never pause)
+    #: the staleness bound, in policy versions, the trainer's max_staleness (the same
+    #: value): this producer pauses so that its trajectories arrive within it, the
+    #: trainer drops those beyond it (-1: never pause)
     max_staleness: int = 2
     #: trajectories per trainer step, to turn the trainer's lag into steps
     trainer_batch: int = 64

@@ -132,7 +132,8 @@ class TrainerConfig:
     groups_per_batch: int = 8
     #: GRPO group size: trajectories per task
     group_size: int = 8
-    #: drop trajectories more than this many policy versions behind the trainer
+    #: the staleness bound, in policy versions, the producers' max_staleness (the same
+    #: value): trajectories beyond it are dropped, producers pause to arrive within it
     max_staleness: int = 2
     #: drop a group still incomplete after this long (s)
     group_timeout_s: float = 120.0
