@@ -13,21 +13,50 @@ cd "$root"
 venv="${RLSTREAM_VENV:-$root/.venv}"
 python="${PYTHON:-python3}"
 
+die() { echo "rlstream: $*" >&2; exit 2; }
+
+# What the machine must have, checked before anything is installed.
+preflight() {
+  command -v "$python" >/dev/null || die "$python not found: Python 3.11 or later is needed (or set PYTHON=/path/to/python3.11)"
+  "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+    || die "$("$python" -V 2>&1) is too old: Python 3.11 or later is needed (set PYTHON=/path/to/python3.11)"
+  "$python" -c 'import venv, ensurepip' 2>/dev/null \
+    || die "$("$python" -V 2>&1) lacks the venv module (apt-get install python3-venv, or set PYTHON)"
+  command -v java >/dev/null || die "Java 17 or later is needed to run Kafka (apt-get install openjdk-17-jre-headless)"
+  local major
+  major="$(java -version 2>&1 | sed -n 's/.*version "\([0-9]*\).*/\1/p' | head -1)"
+  if [ -n "$major" ] && [ "$major" -lt 17 ]; then
+    die "Java $major is too old: Java 17 or later is needed to run Kafka"
+  fi
+  if ! ls infra/kafka/lib/kafka_2.13-*.jar >/dev/null 2>&1; then
+    command -v mvn >/dev/null || die "Maven is needed once to fetch the Kafka jars (apt-get install maven)"
+  fi
+}
+
+# setup EXTRA: the virtual environment with rlstream and, for EXTRA "test", its test tools
 setup() {
+  preflight
+  # a venv left half-made (an interrupted creation, a Python without ensurepip) is made again
+  if [ -d "$venv" ] && ! "$venv/bin/python" -m pip --version >/dev/null 2>&1; then
+    echo "== $venv is incomplete: making it again"
+    rm -rf "$venv"
+  fi
   if [ ! -x "$venv/bin/python" ]; then
     echo "== creating $venv"
-    "$python" -m venv "$venv"
+    "$python" -m venv "$venv" || { rm -rf "$venv"; die "could not create $venv with $python"; }
   fi
-  stamp="$venv/.rlstream-installed"
+  local spec="." stamp="$venv/.rlstream-installed"
+  if [ "${1:-}" = test ]; then
+    spec=".[test]"
+    stamp="$venv/.rlstream-installed-test"
+  fi
   if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-    echo "== installing rlstream and its dependencies"
+    echo "== installing rlstream${1:+ and its $1 tools}"
     "$venv/bin/python" -m pip install -q --upgrade pip
-    "$venv/bin/python" -m pip install -q -e ".[test]"
+    "$venv/bin/python" -m pip install -q -e "$spec"
     touch "$stamp"
   fi
-  command -v java >/dev/null || { echo "rlstream: Java 17+ is needed (apt-get install openjdk-17-jre-headless)" >&2; exit 2; }
   if ! ls infra/kafka/lib/kafka_2.13-*.jar >/dev/null 2>&1; then
-    command -v mvn >/dev/null || { echo "rlstream: Maven is needed once to fetch the Kafka jars (apt-get install maven)" >&2; exit 2; }
     echo "== fetching the Apache Kafka jars (Maven)"
     mvn -q -B -f infra/kafka/pom.xml dependency:copy-dependencies
   fi
@@ -41,7 +70,7 @@ case "$cmd" in
     exec "$venv/bin/rlstream" run "$@"
     ;;
   test)
-    setup
+    setup test
     echo "== ruff"
     "$venv/bin/ruff" check pipeline connectors tests
     "$venv/bin/ruff" format --check pipeline connectors tests
