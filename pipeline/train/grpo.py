@@ -303,6 +303,8 @@ def make_train_step(
         n = batch.tokens.size  # a bound on the batch's segment ids
         prox = ref = valued = None
         base = None if state.adapters is None else state.params
+        if base is not None and lora is None:
+            raise ValueError("a state with LoRA adapters needs make_train_step(..., lora=)")
         if cfg.minibatches > 1 or state.critic is not None:
             logp0, _, value0 = _forward(graphdef, policy(base, state.trained), state.critic, batch)
             if cfg.minibatches > 1:
