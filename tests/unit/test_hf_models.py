@@ -332,7 +332,10 @@ def test_a_trainers_weights_export_through_the_cli(
         strict=True,
     )
     assert all(np.array_equal(a, b) for a, b in pairs)
-    assert main(["model", "export", str(tmp_path / "weights"), "-o", str(tmp_path / "x")]) == 2
+    # a run's weights folder is read as its newest version; a path without weights is refused
+    assert main(["model", "export", str(tmp_path / "weights"), "-o", str(tmp_path / "x")]) == 0
+    assert read_model_config(tmp_path / "x").same_architecture(read_model_config(tmp_path / "hf"))
+    assert main(["model", "export", str(tmp_path / "none"), "-o", str(tmp_path / "y")]) == 2
 
 
 def test_announcements_of_another_architecture_do_not_fit() -> None:
