@@ -20,6 +20,8 @@ from pipeline.kafka.client import KafkaConfig
 # One compilation cache for this test run and every rlstream process it starts (a fresh
 # private directory: nothing compiled by another run is loaded).
 os.environ.setdefault("RLSTREAM_COMPILE_CACHE", tempfile.mkdtemp(prefix="rlstream-jax-"))
+# brokers the tests start are noted here, not among the user's own
+os.environ.setdefault("RLSTREAM_STATE_DIR", tempfile.mkdtemp(prefix="rlstream-state-"))
 compile_cache.enable()
 
 

@@ -46,9 +46,9 @@ def cmd_produce(args: argparse.Namespace) -> int:
     compile_cache.enable()
     if not cfg.checkpoint_roots:
         print(
-            "rlstream: warning: no --checkpoint-root: this producer samples its initial "
+            "rlstream: warning: --checkpoint-root none: this producer samples its initial "
             "policy and never loads the weights a trainer announces (give the trainer's "
-            "--run-dir, or set RLSTREAM_CHECKPOINT_ROOT)",
+            "--run-dir or a folder above it, or set RLSTREAM_CHECKPOINT_ROOT)",
             file=sys.stderr,
             flush=True,
         )

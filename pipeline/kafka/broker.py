@@ -309,6 +309,7 @@ class LocalBroker:
         except BaseException:
             self.stop()
             raise
+        _remember(self.data_dir, add=True)
         log.info("broker started bootstrap=%s nodes=%d", cfg.bootstrap, cfg.nodes)
         return state
 
@@ -486,6 +487,7 @@ class LocalBroker:
                 _signal(pid, signal.SIGKILL)
         _reap(pids)
         self.state_path.unlink(missing_ok=True)
+        _remember(self.data_dir, add=False)
         return bool(pids)
 
     def kill_node(self, node_id: int) -> None:
@@ -545,6 +547,43 @@ class LocalBroker:
             "data_dir": str(self.data_dir),
             "nodes": nodes,
         }
+
+
+def _registry() -> Path:
+    """Where ``broker start`` notes the data directories of the brokers it started, so
+    that ``status`` and ``stop`` find them from any directory (``RLSTREAM_STATE_DIR``)."""
+    base = os.environ.get("RLSTREAM_STATE_DIR") or os.path.join(
+        os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state"), "rlstream"
+    )
+    return Path(base) / "brokers.json"
+
+
+def _remember(data_dir: Path, add: bool) -> None:
+    try:
+        known = [d for d in _known() if d != str(data_dir)]
+        path = _registry()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(known + [str(data_dir)] * add, indent=2))
+    except OSError as e:  # a read-only home: brokers are then found by --data-dir only
+        log.warning("cannot note the broker in %s: %s", _registry(), e)
+
+
+def _known() -> list[str]:
+    try:
+        value = json.loads(_registry().read_text())
+    except (OSError, ValueError):
+        return []
+    return [d for d in value if isinstance(d, str)] if isinstance(value, list) else []
+
+
+def running_brokers() -> list[LocalBroker]:
+    """The local brokers ``broker start`` started that still run, from any directory."""
+    found = []
+    for d in _known():
+        broker = LocalBroker(BrokerConfig(data_dir=Path(d)))
+        if broker.running():
+            found.append(broker)
+    return found
 
 
 def _signal(pid: int, sig: int) -> None:

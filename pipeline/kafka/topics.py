@@ -278,3 +278,46 @@ def rollout_topics(kafka: KafkaConfig, namespace: str, timeout: float = 30.0) ->
     prefix = f"{check_name('namespace', namespace)}{ROLLOUTS}"
     md = kafka.admin().list_topics(timeout=timeout)
     return {t[len(prefix) :]: t for t in sorted(md.topics) if t.startswith(prefix)}
+
+
+def list_namespace_topics(kafka: KafkaConfig, namespace: str, timeout: float = 30.0) -> list[str]:
+    """Every existing topic of the namespace (names contain no dot, so ``<ns>.`` is
+    the namespace's own prefix)."""
+    prefix = f"{check_name('namespace', namespace)}."
+    md = kafka.admin().list_topics(timeout=timeout)
+    return sorted(t for t in md.topics if t.startswith(prefix))
+
+
+def topic_records(
+    kafka: KafkaConfig, names: Sequence[str], timeout: float = 10.0
+) -> dict[str, int]:
+    """Records each topic holds now (the sum over partitions of high minus low
+    watermark; on a compacted topic an upper bound)."""
+    from confluent_kafka import TopicPartition
+
+    consumer = kafka.consumer(None)
+    try:
+        md = consumer.list_topics(timeout=timeout).topics
+        out = {}
+        for name in names:
+            total = 0
+            for p in md[name].partitions if name in md else {}:
+                low, high = consumer.get_watermark_offsets(TopicPartition(name, p), timeout=timeout)
+                total += max(0, high - low)
+            out[name] = total
+        return out
+    finally:
+        consumer.close()
+
+
+def delete_topics(kafka: KafkaConfig, names: Sequence[str], timeout: float = 60.0) -> None:
+    """Delete the topics and wait for the controller to accept each deletion."""
+    if not names:
+        return
+    admin = kafka.admin()  # held until every answer came (it fails the futures on exit)
+    futures = admin.delete_topics(list(names), operation_timeout=timeout)
+    for name, future in futures.items():
+        try:
+            future.result()
+        except KafkaException as e:
+            raise wrap_error(e, f"deleting topic {name}") from e

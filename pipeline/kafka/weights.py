@@ -233,6 +233,17 @@ class WeightsSubscriber:
             path = checkpoint_path(ann["checkpoint_uri"], self.allowed_roots)
         except ValueError as e:
             self._refuse("uri", str(e))
+            if self.refused["uri"] == 1:
+                log.error(
+                    "the trainer's weights (version %d at %s) are outside this producer's "
+                    "checkpoint roots %s: it keeps sampling version %d until it is started "
+                    "with --checkpoint-root %s (or a folder above it)",
+                    version,
+                    ann["checkpoint_uri"],
+                    ", ".join(str(r) for r in self.allowed_roots),
+                    self.version,
+                    _run_dir_of(ann["checkpoint_uri"]),
+                )
             return False
         with span("weights_restore", "weights", version=version):
             params = self._verified(path, ann["digest"], version, ann["format"])
@@ -318,6 +329,15 @@ class _Refusal(Exception):
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(reason, detail)
         self.reason, self.detail = reason, detail
+
+
+def _run_dir_of(uri: str) -> str:
+    """The run directory above an announced ``.../weights/vN`` (the URI itself if not)."""
+    path = Path(urlparse(uri).path or uri)
+    for parent in path.parents:
+        if parent.name == "weights":
+            return str(parent.parent)
+    return str(path)
 
 
 def _cut(text: str, limit: int = 300) -> str:

@@ -112,8 +112,10 @@ class ProducerConfig:
     grace_s: float = 5.0
     #: texts that end a policy turn, besides <eos> and </call>
     stop_sequences: tuple[str, ...] = ()
-    #: accept announced checkpoints only under these folders; none: never reload weights
-    checkpoint_roots: tuple[Path, ...] = ()
+    #: load the weights trainers announce when they lie under one of these folders (the
+    #: default: runs/ under the current directory, where rlstream train and rlstream run
+    #: write); the single value none: never load announced weights
+    checkpoint_roots: tuple[Path, ...] = (Path("runs"),)
     #: append one JSON status line per second here (None: no status file)
     status_file: Path | None = None
     #: serve Prometheus metrics on this port (0: any free port; None: off)
@@ -142,6 +144,13 @@ class ProducerConfig:
             )
         if self.latency_ms < 0 or self.latency_sigma < 0:
             raise InvalidConfigError("latency_ms and latency_sigma must be >= 0")
+        if any(str(r) == "none" for r in self.checkpoint_roots):
+            if len(self.checkpoint_roots) > 1:
+                raise InvalidConfigError(
+                    "checkpoint root none (never load announced weights) cannot be given "
+                    "with other roots"
+                )
+            object.__setattr__(self, "checkpoint_roots", ())
 
     @property
     def env_kwargs(self) -> dict[str, Any]:

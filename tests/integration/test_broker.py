@@ -21,23 +21,31 @@ from tests.conftest import free_port_pair
 pytestmark = pytest.mark.integration
 
 
-def rlstream(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def rlstream(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "pipeline.cli", *args],
         capture_output=True,
         text=True,
         timeout=240,
         env={**os.environ, **(env or {})},
+        cwd=cwd,
         check=False,
     )
 
 
 def test_broker_lifecycle_through_the_cli(tmp_path: Path) -> None:
     port = str(free_port_pair())
-    where = ["--data-dir", str(tmp_path), "--port", port]
+    data = tmp_path / "data"
+    where = ["--data-dir", str(data), "--port", port]
     assert rlstream("broker", "status", *where).returncode == 3
+    # status and stop find the broker from any directory (the state dir notes it)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    noted = {"RLSTREAM_STATE_DIR": str(tmp_path / "state")}
 
-    started = rlstream("broker", "start", *where, "--json")
+    started = rlstream("broker", "start", *where, "--json", env=noted)
     assert started.returncode == 0, started.stderr
     info = json.loads(started.stdout.strip().splitlines()[-1])
     assert info["bootstrap"] == f"127.0.0.1:{port}" and not info["already_running"]
@@ -51,9 +59,18 @@ def test_broker_lifecycle_through_the_cli(tmp_path: Path) -> None:
         status = rlstream("broker", "status", *where, "--json")
         assert status.returncode == 0
         assert json.loads(status.stdout.strip().splitlines()[-1])["answering"] is True
-        assert (tmp_path / "node-0" / "server.log").stat().st_size > 0
+        assert (data / "node-0" / "server.log").stat().st_size > 0
+        found = rlstream("broker", "status", "--json", env=noted, cwd=elsewhere)
+        assert found.returncode == 0, found.stderr
+        assert json.loads(found.stdout.strip().splitlines()[-1])["data_dir"] == str(data)
+        assert f"the broker in {data}" in found.stderr
+        # an unrelated state dir knows of no broker: not running, where it looked
+        lost = rlstream(
+            "broker", "status", env={"RLSTREAM_STATE_DIR": str(tmp_path)}, cwd=elsewhere
+        )
+        assert lost.returncode == 3 and ".rlstream/broker" in lost.stdout
     finally:
-        stopped = rlstream("broker", "stop", *where)
+        stopped = rlstream("broker", "stop", env=noted, cwd=elsewhere)
     assert stopped.returncode == 0 and "stopped" in stopped.stdout
     assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
     assert rlstream("broker", "status", *where).returncode == 3

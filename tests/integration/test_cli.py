@@ -47,6 +47,36 @@ def test_topics_create_is_idempotent_and_describes(bootstrap: str, namespace: st
     assert {t["action"] for t in last_json(second.stdout)["topics"]} == {"exists"}
 
 
+def test_topics_list_describe_and_delete_a_namespace(bootstrap: str, namespace: str) -> None:
+    where = ["--bootstrap", bootstrap, "--namespace", namespace, "--json"]
+    assert rlstream("topics", "create", *where, "--envs", "guess").returncode == 0
+    other = f"{namespace}x"  # a namespace whose name starts with this one's stays
+    assert rlstream("topics", "create", *where[:3], other, "--envs", "guess").returncode == 0
+    listed = last_json(rlstream("topics", "list", *where).stdout)["topics"]
+    assert listed == sorted(
+        f"{namespace}.{t}"
+        for t in ("deadletter", "producers", "rollouts.guess", "telemetry", "weights")
+    )
+    described = {
+        t["name"]: t for t in last_json(rlstream("topics", "describe", *where).stdout)["topics"]
+    }
+    assert set(described) == set(listed)
+    assert described[f"{namespace}.rollouts.guess"]["records"] == 0
+    assert described[f"{namespace}.weights"]["config"]["cleanup.policy"] == "compact"
+    refused = rlstream("topics", "delete", *where)
+    assert refused.returncode == 2 and "add --yes" in refused.stderr
+    assert last_json(rlstream("topics", "list", *where).stdout)["topics"] == listed
+    deleted = rlstream("topics", "delete", *where, "--yes")
+    assert deleted.returncode == 0 and last_json(deleted.stdout)["deleted"] == listed
+    assert last_json(rlstream("topics", "list", *where).stdout)["topics"] == []
+    assert (
+        len(last_json(rlstream("topics", "list", *where[:3], other, "--json").stdout)["topics"])
+        == 5
+    )
+    missing = rlstream("topics", "create", *where)
+    assert missing.returncode == 2 and "--envs" in missing.stderr
+
+
 def test_bad_namespace_is_a_clear_error(bootstrap: str) -> None:
     result = rlstream(
         "topics", "create", "--bootstrap", bootstrap, "--namespace", "a.b", "--envs", "x"

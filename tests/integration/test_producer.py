@@ -104,6 +104,43 @@ def wait_for(cond, timeout: float = 60.0) -> None:  # type: ignore[no-untyped-de
         time.sleep(0.1)
 
 
+def test_by_default_weights_under_runs_are_taken_and_others_refused_loudly(
+    kafka: KafkaConfig,
+    namespace: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """No --checkpoint-root: a trainer's weights under ./runs load; weights elsewhere
+    are refused with one error naming the flag and the folder to give."""
+    import logging
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RLSTREAM_CHECKPOINT_ROOT", raising=False)
+    caplog.set_level(logging.WARNING, logger="pipeline.kafka.weights")
+    ensure_topics(kafka, namespace_topics(namespace, ["guess"], 1))
+    cfg = producer_config(namespace)
+    assert cfg.checkpoint_roots == (Path("runs"),)
+    assert producer_config(namespace, checkpoint_roots=(Path("none"),)).checkpoint_roots == ()
+    producer = RolloutProducer(cfg, kafka)
+    th = run_in_thread(producer)
+    with_kafka = kafka.producer()
+    elsewhere = save_params(tmp_path / "elsewhere" / "weights" / "v3", init_model(CFG, 3))
+    announce(with_kafka, namespace, announcement(3, 3, elsewhere, CFG, TOKENIZER_ID, "t"))
+    weights = producer.weights
+    assert weights is not None
+    wait_for(lambda: weights.refused["uri"] == 1, 60)
+    advice = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(advice) == 1
+    assert f"--checkpoint-root {tmp_path / 'elsewhere'}" in advice[0], advice
+    assert "keeps sampling version 0" in advice[0]
+    ours = save_params(tmp_path / "runs/trainer/weights/v4", init_model(CFG, 4))
+    announce(with_kafka, namespace, announcement(4, 4, ours, CFG, TOKENIZER_ID, "t"))
+    wait_for(lambda: producer.version == 4, 60)
+    producer.stop()
+    th.join(60)
+
+
 def test_announced_weights_are_picked_up_mid_run(
     kafka: KafkaConfig, namespace: str, tmp_path: Path
 ) -> None:
@@ -219,6 +256,8 @@ def test_sigterm_finishes_in_flight_work_and_flushes(bootstrap: str, namespace: 
             "-1",
             "--grace-s",
             "10",
+            "--checkpoint-root",
+            "none",
             "--json",
         ],
         stdout=subprocess.PIPE,
@@ -237,7 +276,7 @@ def test_sigterm_finishes_in_flight_work_and_flushes(bootstrap: str, namespace: 
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
-    assert "no --checkpoint-root: this producer samples its initial policy" in err
+    assert "--checkpoint-root none: this producer samples its initial policy" in err
     figures = json.loads(out.strip().splitlines()[-1])["figures"]
     assert figures["sent"] == figures["delivered"] == figures["episodes"]
     assert figures["delivery_failed"] == 0
