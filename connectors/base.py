@@ -121,6 +121,11 @@ class Environment(abc.ABC):
     async def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Release what the episode holds (sessions, processes)."""
 
+    def random_success(self) -> float | None:
+        """The success rate of an agent that answers uniformly at random among the valid
+        answers: the baseline a run's report compares its policy with. None: not known."""
+        return None
+
 
 #: environments by name: a factory, or where to import one from ("module:attribute"),
 #: imported on first use (so that listing or naming environments builds none of them)

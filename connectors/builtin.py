@@ -68,6 +68,10 @@ class GuessNumber(Environment):
         hint = "Higher." if guess < self._secret else "Lower."
         return Step(hint, 0.0, last, {"valid": True, "solved": False})
 
+    def random_success(self) -> float:
+        """A uniform guess in ``[low, high]`` each turn, hints ignored."""
+        return 1.0 - (1.0 - 1.0 / (self.high - self.low + 1)) ** self.max_turns
+
 
 _OPS: dict[type, Callable[[Any, Any], Any]] = {
     ast.Add: operator.add,

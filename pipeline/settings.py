@@ -285,7 +285,7 @@ def _flag_type(tp: Any, where: str) -> Any:
     return parse
 
 
-def _parse_item(text: str) -> tuple[str, Any]:
+def parse_item(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
@@ -365,7 +365,7 @@ def _add_flag(
             *names, action="append", type=_flag_type(item, dest), metavar="VALUE", **kw
         )
     elif origin in (Mapping, dict):
-        group.add_argument(*names, action="append", type=_parse_item, metavar="KEY=VALUE", **kw)
+        group.add_argument(*names, action="append", type=parse_item, metavar="KEY=VALUE", **kw)
     else:
         metavar = "NAME" if _section(inner) is not None else _type_name(inner).upper()
         group.add_argument(*names, type=_flag_type(tp, dest), metavar=metavar, **kw)

@@ -21,18 +21,12 @@ COMMANDS = (broker, replay, env, run, check, produce, train, model, bench, confi
 
 def version_line() -> str:
     """rlstream's version and those of the libraries it trains and streams with."""
-    import platform
-    from importlib import metadata
+    from pipeline.observe.provenance import versions
 
-    from pipeline import __version__
-
-    parts = []
-    for dist in ("jax", "flax", "optax", "orbax-checkpoint", "confluent-kafka", "fastavro"):
-        try:
-            parts.append(f"{dist} {metadata.version(dist)}")
-        except metadata.PackageNotFoundError:
-            parts.append(f"{dist} missing")
-    return f"rlstream {__version__} ({', '.join(parts)}; Python {platform.python_version()})"
+    found = versions()
+    own = found.pop("rlstream")
+    python = found.pop("python")
+    return f"rlstream {own} ({', '.join(f'{k} {v}' for k, v in found.items())}; Python {python})"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from pipeline.cli.common import (
     add_broker_args,
+    add_env_option_arg,
     add_json_arg,
     add_kafka_args,
     cluster,
     env_default,
+    kafka_config,
     pct,
     print_result,
 )
@@ -50,6 +53,30 @@ def register(sub: Any) -> None:
     p.set_defaults(func=cmd_run, settings=RunConfig)
 
     p = sub.add_parser(
+        "report",
+        help="the report, plots and held-out evaluation of a run directory (one rlstream run "
+        "wrote, or a trainer started on its own)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("run_dir", type=Path, help="the run directory (runs/<name>, a --run-dir)")
+    p.add_argument(
+        "--env",
+        default=None,
+        help="environment of the held-out episodes (None: the one the run trained on)",
+    )
+    add_env_option_arg(p)
+    p.add_argument(
+        "--eval-episodes",
+        type=int,
+        default=None,
+        help="held-out episodes per evaluation when the run has none (None: the run's "
+        "setting, 200 for a trainer alone; 0: no evaluation)",
+    )
+    add_kafka_args(p)
+    add_json_arg(p)
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser(
         "eval",
         help="success of a policy on held-out episodes (no Kafka)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -84,6 +111,44 @@ def cmd_run(args: argparse.Namespace) -> int:
     if result.status == "failed":
         return 1
     return 130 if result.status == "interrupted" else 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    import json
+
+    from pipeline.errors import RlstreamError
+    from pipeline.launch.cluster import checked
+    from pipeline.launch.report import build_report
+    from pipeline.settings import parse_item
+
+    options = dict(parse_item(item) for item in args.env_option) if args.env_option else None
+    kafka = None
+    try:  # the cluster the run used, unless one is given
+        run_info = json.loads((args.run_dir / "run.json").read_text())
+    except (OSError, ValueError):
+        run_info = {}
+    wanted = kafka_config(args, args.bootstrap or run_info.get("bootstrap"), check=False)
+    try:
+        kafka = checked(wanted)
+    except RlstreamError as e:
+        print(
+            f"rlstream: warning: no sample episodes and no profile in the report: {e}",
+            file=sys.stderr,
+        )
+    figures, path = build_report(
+        args.run_dir,
+        kafka,
+        env=args.env,
+        env_options=options,
+        eval_episodes=args.eval_episodes,
+        say=lambda text: print(text, flush=True),
+    )
+    print_result(
+        args,
+        {"run_dir": str(args.run_dir), "report": str(path), "figures": figures},
+        f"report: {path} (plots in {path.parent / 'plots'})",
+    )
+    return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@ from pipeline.cli.common import (
     run_process,
 )
 from pipeline.launch.stop import StopFlag
-from pipeline.settings import add_flags, resolve
+from pipeline.settings import add_flags, resolve, write_file
 
 
 def register(sub: Any) -> None:
@@ -75,6 +75,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     kafka = None if source else kafka_config(args)
     trainer = Trainer(cfg, kafka, on_step=progress, source=source)
+    if trainer.members.lead:  # what rlstream report reads of a trainer started on its own
+        from pipeline.observe import provenance
+
+        write_file(cfg, cfg.run_dir / "trainer.json")
+        provenance.write(cfg.run_dir)
     stop.install()  # again: joining a JAX job installs JAX's own SIGTERM handler
     metrics = (cfg.metrics_port, cfg.metrics_host)
     step = run_process(args, trainer, stop, kafka, cfg.namespace, cfg.trainer_id, metrics)

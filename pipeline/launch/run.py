@@ -28,19 +28,12 @@ from typing import Any, TextIO
 from connectors.base import env_name
 from pipeline.kafka.client import KafkaConfig
 from pipeline.kafka.topics import ensure_topics, namespace_topics
+from pipeline.launch import report
 from pipeline.launch.config import RunConfig
 from pipeline.launch.supervisor import Child, Supervisor
-from pipeline.observe.report import (
-    busy_share,
-    last_json,
-    ledger_summary,
-    mean_over_envs,
-    trainer_metrics,
-    write_report,
-)
+from pipeline.observe.report import last_json, mean_over_envs
 from pipeline.observe.telemetry import NullTracer, Tracer, install, span
 from pipeline.observe.tensorboard import ScalarWriter
-from pipeline.rollout.evaluate import EvalResult, evaluate_weights, latest_weights
 from pipeline.settings import to_mapping, write_file
 from pipeline.train.members import free_coordinator
 
@@ -145,46 +138,25 @@ class Run:
         self.display.clear()
         print(text, file=self.out, flush=True)
 
-    def evaluate(self, which: str) -> EvalResult | None:
-        cfg = self.cfg
-        if cfg.eval_episodes == 0:
+    def evaluate(self, which: str) -> dict[str, Any] | None:
+        """Held-out success of the initial policy or of the newest announced weights."""
+        if self.cfg.eval_episodes == 0:
             return None
-        found = latest_weights(self.run_dir) if which == "final" else None
-        version, weights = found if found is not None else (0, None)
-        self.say(
-            f"evaluating the {which} policy (version {version}) on {cfg.eval_episodes} "
-            "held-out episodes ..."
-        )
-        with span("evaluate", which=which, version=version):
-            result = self._evaluate(weights, version)
-        self.say(
-            f"  {which}: success {result.success:.3f} reward {result.reward_mean:.3f} "
-            f"({result.seconds:.1f}s)"
-        )
-        return result
-
-    def _evaluate(self, weights: Path | None, version: int) -> EvalResult:
-        cfg = self.cfg
-        return evaluate_weights(
-            cfg.env,
-            env_options=dict(cfg.env_options),  # held-out episodes without simulated latency
-            model=cfg.model,
-            weights=weights,
-            version=version,
-            model_seed=cfg.seed,
-            episodes=cfg.eval_episodes,
-            seed=cfg.seed,
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-        )
+        subject = report.subject(self.run_dir)
+        with span("evaluate", which=which):
+            return report.evaluate(self.run_dir, subject, which, self.say)
 
     def execute(self) -> RunResult:
         rd = self.run_dir
         rd.mkdir(parents=True, exist_ok=True)
         write_file(self.cfg, rd / "config.json")
-        run_info = {"namespace": self.namespace, "run_dir": str(rd)}
-        run_info["bootstrap"] = self.kafka.bootstrap
-        (rd / "run.json").write_text(json.dumps(run_info, indent=2, sort_keys=True) + "\n")
+        run_info: dict[str, Any] = {
+            "namespace": self.namespace,
+            "run_dir": str(rd),
+            "bootstrap": self.kafka.bootstrap,
+            "start_time": self.start_time,
+        }
+        self._write_info(run_info)
         self.say(f"run directory {rd} namespace {self.namespace}")
         ensure_topics(
             self.kafka,
@@ -197,25 +169,29 @@ class Run:
         # the run's own spans (its evaluations) go on the timeline with the children's
         tracing = install(Tracer("run", self.kafka, self.namespace))
         try:
-            status, failure, evals, run_s, children = self._run_children()
+            status, failure, evals, run_s = self._run_children()
         finally:
             tracing.close()
             install(NullTracer())
-        figures = self.figures(evals, run_s, children)
-        figures["status"] = status
+        run_info.update(
+            status=status,
+            wall_s=round(time.time() - self.start_time, 1),
+            pipeline_wall_s=round(run_s, 1),
+        )
+        self._write_info(run_info)
         self._eval_scalars(evals)
-        profile = self.profile()
-        report = write_report(rd, figures, self.config_json(), self.start_time, profile)
-        (rd / "figures.json").write_text(json.dumps(figures, indent=2, sort_keys=True))
-        return RunResult(status, figures, report, failure)
+        figures, path = report.build_report(rd, self.kafka, say=self.say)
+        return RunResult(status, figures, path, failure)
 
-    def _run_children(
-        self,
-    ) -> tuple[str, str, dict[str, EvalResult | None], float, list[Child]]:
+    def _write_info(self, info: dict[str, Any]) -> None:
+        """``run.json``: the namespace, the cluster, the times and how the run ended."""
+        (self.run_dir / "run.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+
+    def _run_children(self) -> tuple[str, str, dict[str, dict[str, Any] | None], float]:
         """Initial evaluation, the children until the run ends, final evaluation: the
-        run's status, what failed, the evaluations, the children's seconds, the children."""
+        run's status, what failed, the evaluations, the children's seconds."""
         rd = self.run_dir
-        evals: dict[str, EvalResult | None] = {"initial": self.evaluate("initial")}
+        evals: dict[str, dict[str, Any] | None] = {"initial": self.evaluate("initial")}
         children = self.children()
         supervisor = Supervisor(children)
         status, failure = "completed", ""
@@ -236,36 +212,19 @@ class Run:
             self._write_processes(children)
         run_s = time.time() - launched
         evals["final"] = self.evaluate("final")
-        (rd / "eval.json").write_text(
-            json.dumps({k: v.to_json() if v else None for k, v in evals.items()}, indent=2)
-        )
-        return status, failure, evals, run_s, children
+        (rd / "eval.json").write_text(json.dumps(evals, indent=2))
+        return status, failure, evals, run_s
 
-    def _eval_scalars(self, evals: dict[str, EvalResult | None]) -> None:
+    def _eval_scalars(self, evals: dict[str, dict[str, Any] | None]) -> None:
         """Held-out success and reward next to the trainer's scalars, at the evaluated
         policy's version (the trainer step that made it)."""
         writer = ScalarWriter(self.run_dir / "tensorboard")
         for result in evals.values():
             if result is not None:
                 writer.write(
-                    result.version,
-                    {"eval/success": result.success, "eval/reward": result.reward_mean},
+                    result["version"],
+                    {"eval/success": result["success"], "eval/reward": result["reward_mean"]},
                 )
-
-    def profile(self) -> str:
-        """Every process's spans on one timeline (``trace.json``) and the profile summary
-        (``profile.json``); the summary's text for the report ("" if there is none)."""
-        from pipeline.observe import profile
-
-        try:
-            telemetry = profile.read(self.kafka, self.namespace)
-        except Exception as e:  # the report is written whatever happened to telemetry
-            log.warning("no profile: %s", e)
-            return ""
-        summary = profile.summarize(telemetry)
-        profile.write_trace(telemetry, self.run_dir / "trace.json")
-        (self.run_dir / "profile.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
-        return profile.render(summary)
 
     def _write_processes(self, children: list[Child]) -> None:
         """``processes.json``: every child's pid, exit status, restarts and log."""
@@ -318,43 +277,6 @@ class Run:
                 return "failed", message
             self.display.update(supervisor)
             self.stop.wait(0.5)
-
-    def figures(
-        self, evals: dict[str, EvalResult | None], run_s: float, children: list[Child]
-    ) -> dict[str, Any]:
-        metrics = trainer_metrics(self.run_dir)
-        ledger = ledger_summary(self.run_dir)
-        produced = 0
-        versions = {}
-        for c in children[1:]:
-            last = last_json(self.run_dir / "producers" / f"{c.name}.jsonl")
-            if last is not None:
-                produced += last["episodes"]
-                versions[c.name] = last["version"]
-        init, final = evals.get("initial"), evals.get("final")
-        stale = [m["staleness_mean"] for m in metrics]
-        return {
-            "success_initial": init.success if init else None,
-            "success_final": final.success if final else None,
-            "success_gain_points": (
-                round(100 * (final.success - init.success), 1) if init and final else None
-            ),
-            "eval_episodes": self.cfg.eval_episodes,
-            "steps": metrics[-1]["step"] if metrics else 0,
-            "wall_s": round(time.time() - self.start_time, 1),
-            "pipeline_wall_s": round(run_s, 1),
-            "trajectories_produced": produced,
-            "trajectories_trained": ledger["trained"],
-            "trajectories_dropped_stale": ledger["dropped_stale"],
-            "dropped": ledger["dropped"],
-            "staleness_mean": round(sum(stale) / len(stale), 3) if stale else None,
-            "trainer_busy": round(busy_share(metrics, first=1), 3) if metrics else None,
-            "final_batch_reward": round(mean_over_envs(metrics[-1]["reward"]), 3)
-            if metrics
-            else None,
-            "producer_versions": versions,
-            "restarts": {c.name: c.restarts for c in children if c.restarts},
-        }
 
 
 class Display:

@@ -239,7 +239,10 @@ def write_trace(t: Telemetry, path: Path) -> None:
     path.write_text(json.dumps(chrome_trace(t)))
 
 
-def render(summary: Mapping[str, Any]) -> str:
+def render(summary: Mapping[str, Any], busy: bool = True) -> str:
+    """The summary as text; ``busy=False`` leaves out the trainer's busy share (a report
+    states its own, over the steps after the first)."""
+
     def share(x: Any) -> str:
         return "n/a" if x is None else f"{x:.1%}"
 
@@ -248,11 +251,12 @@ def render(summary: Mapping[str, Any]) -> str:
             return "n/a"
         return f"p50 {d['p50'] * 1000:.1f} ms, p99 {d['p99'] * 1000:.1f} ms ({d['count']})"
 
-    lines = [
-        f"processes: {', '.join(summary['processes'])} ({summary['spans']} spans)",
-        f"trainer busy {share(summary['trainer_busy_share'])}, "
-        f"idle {share(summary['trainer_idle_share'])}",
-    ]
+    lines = [f"processes: {', '.join(summary['processes'])} ({summary['spans']} spans)"]
+    if busy:
+        lines.append(
+            f"trainer busy {share(summary['trainer_busy_share'])}, "
+            f"idle {share(summary['trainer_idle_share'])}"
+        )
     for p, v in summary["producer_idle_share"].items():
         lines.append(f"producer {p} idle {share(v)} (no policy forward running)")
     lines.append(f"environment wait: {share(summary['env_wait_share'])} of episode time")

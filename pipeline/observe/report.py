@@ -8,6 +8,7 @@ A run directory holds ``config.json``, ``metrics.jsonl`` (one line per trainer s
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -117,137 +118,168 @@ def busy_share(metrics: list[dict[str, Any]], first: int = 0) -> float:
     return db / (db + di) if db >= 0 and di >= 0 and db + di > 0 else b["busy_share"]
 
 
-def plots(run_dir: Path, start_time: float) -> list[tuple[str, str]]:
-    """Write the PNG plots; returns (title, relative path) pairs."""
-    import matplotlib
+#: the report's figures, in order, with what each one means
+FIGURES: dict[str, str] = {
+    "status": "how the run ended",
+    "success_initial": "held-out success of the initial policy",
+    "success_final": "held-out success of the final policy",
+    "success_gain_points": "gain in held-out success (percentage points)",
+    "random_success": "success of random answers (the baseline)",
+    "eval_episodes": "held-out episodes per evaluation",
+    "steps": "trainer steps",
+    "trajectories_produced": "trajectories produced",
+    "trajectories_trained": "trajectories trained",
+    "trajectories_dropped_stale": "trajectories dropped as too stale",
+    "dropped": "records dropped, by reason",
+    "staleness_mean": "mean staleness of trained trajectories (versions)",
+    "trainer_busy": "trainer busy share (defined below the table)",
+    "final_batch_reward": "mean reward of the last training batch",
+    "producer_versions": "policy version of each producer at the end",
+    "restarts": "process restarts",
+    "wall_s": "wall time, evaluations included (s)",
+    "pipeline_wall_s": "time the producers and the trainer ran (s)",
+}
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    metrics = trainer_metrics(run_dir)
-    producers = producer_status(run_dir)
-    out_dir = run_dir / "plots"
-    out_dir.mkdir(exist_ok=True)
-    made: list[tuple[str, str]] = []
-
-    def save(fig: Any, name: str, title: str) -> None:
-        fig.tight_layout()
-        fig.savefig(out_dir / name, dpi=90)
-        plt.close(fig)
-        made.append((title, f"plots/{name}"))
-
-    steps = [m["step"] for m in metrics]
-    minutes = [(m["time"] - start_time) / 60 for m in metrics]
-    envs = sorted({e for m in metrics for e in m.get("reward", {})})
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, xs, xlabel in ((axes[0], steps, "trainer step"), (axes[1], minutes, "minutes")):
-        for env in envs:
-            reward = [m["reward"].get(env, math.nan) for m in metrics]
-            success = [m["success"].get(env, math.nan) for m in metrics]
-            ax.plot(xs, reward, alpha=0.3, lw=0.8, label=f"reward {env}")
-            ax.plot(xs, moving_mean(reward), lw=1.5, label=f"reward {env}, 10-step mean")
-            ax.plot(xs, moving_mean(success), "--", lw=1.5, label=f"success {env}, 10-step mean")
-        ax.set_xlabel(xlabel)
-        ax.set_ylim(-0.05, 1.05)
-        ax.grid(alpha=0.3)
-        ax.legend(loc="upper left", fontsize=8)
-    axes[0].set_title("training batches against step")
-    axes[1].set_title("training batches against wall-clock time")
-    save(fig, "learning.png", "Reward and success of training batches")
-
-    hist: Counter[int] = Counter()
-    for m in metrics:
-        for k, v in m.get("staleness_hist", {}).items():
-            hist[int(k)] += int(v)
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ks = sorted(hist)
-    ax.bar(ks, [hist[k] for k in ks])
-    ax.set_xlabel("staleness (trainer version - oldest token version)")
-    ax.set_ylabel("trained trajectories")
-    ax.set_xticks(ks)
-    save(fig, "staleness.png", "Staleness of trained trajectories")
-
-    bx, by = busy_series(metrics)
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    ax.fill_between([x / 60 for x in bx], by, step="pre", alpha=0.6, label="busy")
-    ax.set_ylim(0, 1.05)
-    ax.set_xlabel("minutes since the first step")
-    ax.set_ylabel("busy share between steps")
-    save(fig, "trainer_busy.png", "Trainer busy (training, checkpointing) against idle time")
-
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    ax.plot(minutes, [m.get("lag", 0) for m in metrics], label="trainer's view")
-    for name, rows in producers.items():
-        ax.plot(
-            [(r["time"] - start_time) / 60 for r in rows],
-            [r.get("lag", 0) for r in rows],
-            ":",
-            label=f"{name}'s view",
-        )
-    ax.set_xlabel("minutes")
-    ax.set_ylabel("records not yet trained or dropped")
-    ax.legend(fontsize=8)
-    save(fig, "lag.png", "Consumer lag of the trainer group")
-
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    ax.step(minutes, [m["version"] for m in metrics], where="post", label="trainer", lw=2)
-    for name, rows in producers.items():
-        ax.step(
-            [(r["time"] - start_time) / 60 for r in rows],
-            [r.get("version", 0) for r in rows],
-            where="post",
-            label=name,
-        )
-    ax.set_xlabel("minutes")
-    ax.set_ylabel("policy version")
-    ax.legend(fontsize=8)
-    save(fig, "versions.png", "Policy version per producer")
-    return made
+BUSY_DEFINITION = (
+    "**Busy share** is the share of the trainer's time, from the end of its first step "
+    "(once compiled) to its last, spent training, checkpointing and announcing weights; "
+    "the rest it waited for records. The headline, the table and the busy plot use this "
+    "one figure."
+)
 
 
-def _fmt(v: Any) -> str:
+def _fmt(v: Any, key: str = "") -> str:
+    if v is None:
+        return "not measured"
+    if isinstance(v, float) and key.startswith(("success_", "random_", "trainer_busy")):
+        return f"{v:.1%}" if key != "success_gain_points" else f"{v:+.1f}"
     if isinstance(v, float):
         return f"{v:.4g}"
     if isinstance(v, dict):
-        return ", ".join(f"{k}={_fmt(x)}" for k, x in sorted(v.items())) or "none"
+        return ", ".join(f"{k} {_fmt(x)}" for k, x in sorted(v.items())) or "none"
     return str(v)
 
 
-def write_report(
-    run_dir: Path,
-    figures: dict[str, Any],
-    config: dict[str, Any],
-    start_time: float,
-    profile: str = "",
-) -> Path:
-    """``report.md`` with the figures, the resolved configuration and the plots."""
-    made = plots(run_dir, start_time)
+def model_text(model: Any) -> str:
+    if not isinstance(model, dict):
+        return f"`{model}`"
+    if model.get("path"):
+        return f"the checkpoint `{model['path']}`"
+    return (
+        f"a {model.get('num_layers')}-layer transformer (d_model {model.get('d_model')}, "
+        f"{model.get('num_heads')} heads, vocabulary {model.get('vocab_size')})"
+    )
+
+
+def algorithm_text(grpo: Any, lora: Any = None) -> str:
+    if not isinstance(grpo, dict):
+        return "GRPO"
+    name = {"gae": "PPO with a value head (GAE)", "rloo": "RLOO", "dr_grpo": "Dr. GRPO"}.get(
+        grpo.get("advantage", ""), "GRPO"
+    )
+    correction = grpo.get("correction", "no")
+    text = f"{name}, {correction} correction, learning rate {grpo.get('learning_rate')}"
+    if isinstance(lora, dict) and lora.get("rank"):
+        text += f", LoRA rank {lora['rank']}"
+    return text
+
+
+def headline(what: str, figures: dict[str, Any], producers_paused: float | None) -> list[str]:
+    """Three lines: what was trained, how far it got against random answers, where the
+    time went."""
+    f = figures
+    init, final, rand = f.get("success_initial"), f.get("success_final"), f.get("random_success")
+    if init is not None and final is not None:
+        result = (
+            f"**Result:** held-out success went from {init:.1%} to {final:.1%} "
+            f"({100 * (final - init):+.1f} points) on {f.get('eval_episodes')} episodes"
+        )
+    else:
+        result = "**Result:** the policy was not evaluated on held-out episodes"
+    if rand is not None:
+        side = "" if final is None else (" (above it)" if final > rand else " (not above it)")
+        result += f"; random answers succeed {rand:.1%}{side}."
+    else:
+        result += "; no random baseline is known for this environment."
+    busy = f.get("trainer_busy")
+    time_line = f"**Time:** {f.get('wall_s')} s in all"
+    if f.get("pipeline_wall_s") is not None:
+        time_line += f", {f['pipeline_wall_s']} s of producers and trainer running"
+    time_line += (
+        f"; the trainer was busy {busy:.0%} of its time and waited for records the rest"
+        if busy is not None
+        else ""
+    )
+    if producers_paused is not None:
+        time_line += (
+            f"; producers were paused by admission control {producers_paused:.0%} of theirs"
+        )
+    time_line += (
+        f"; {f.get('trajectories_dropped_stale', 0)} trajectories were dropped as too stale."
+    )
+    return [f"**Trained:** {what}", "", result, "", time_line]
+
+
+def environment_lines(env: dict[str, Any] | None) -> list[str]:
+    if not env:
+        return ["Not recorded (the trainer writes `environment.json` when it starts)."]
+    jax_info = env.get("jax", {})
+    versions = env.get("versions", {})
+    return [
+        f"- commit: `{env.get('commit', 'unknown')}`",
+        f"- JAX backend: {jax_info.get('backend')} ({jax_info.get('devices')} device(s): "
+        f"{', '.join(jax_info.get('device_kinds', []))}; {jax_info.get('processes')} process(es))",
+        "- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()),
+    ]
+
+
+@dataclasses.dataclass
+class Report:
+    """What ``report.md`` says."""
+
+    title: str
+    what: str
+    figures: dict[str, Any]
+    config: dict[str, Any]
+    plots: list[tuple[str, str]]
+    environment: dict[str, Any] | None = None
+    profile: str = ""
+    episodes: list[str] = dataclasses.field(default_factory=list)
+
+
+def write_report(run_dir: Path, report: Report) -> Path:
+    """``report.md``: the headline, the figures in words, the plots, sample episodes,
+    where the time went, the environment and the configuration."""
+    producers = producer_status(run_dir)
     lines = [
-        f"# rlstream run `{run_dir.name}`",
+        f"# rlstream run `{report.title}`",
         "",
-        f"Mode: **{'synchronous' if config.get('sync') else 'asynchronous'}**, "
-        f"environment `{config.get('env')}`, {config.get('producers')} producer(s) of "
-        f"{config.get('concurrency')} episodes, model {_model_text(config.get('model'))}.",
+        *headline(report.what, report.figures, paused_share(producers)),
         "",
-        "## Result",
+        "## Figures",
         "",
         "| figure | value |",
         "| --- | ---: |",
-        *(f"| `{k}` | {_fmt(v)} |" for k, v in figures.items()),
+        *(
+            f"| {FIGURES[k]} | {_fmt(report.figures[k], k)} |"
+            for k in FIGURES
+            if k in report.figures
+        ),
         "",
-        "`success_initial` and `success_final` are the success rates of the initial and "
-        "the final policy on the same held-out episodes (tasks from a seed no producer "
-        "uses, played locally with the producers' sampling). Trained and dropped counts "
-        "are read from the ledger.",
+        "Held-out success is measured on the same episodes for the initial and the final "
+        "policy (tasks from a seed no producer uses, sampled as producers sample). Trained "
+        "and dropped counts are read from the ledger. " + BUSY_DEFINITION,
         "",
-        *producer_table(producer_status(run_dir)),
+        *producer_table(producers),
         "## Plots",
         "",
     ]
-    for title, rel in made:
+    for title, rel in report.plots:
         lines += [f"### {title}", "", f"![{title}]({rel})", ""]
-    if profile:
+    lines += ["## Sample episodes", ""]
+    lines += report.episodes or ["None could be read (see the log of `rlstream report`)."]
+    lines += [""]
+    if report.profile:
         lines += [
             "## Where the time went",
             "",
@@ -256,15 +288,19 @@ def write_report(
             "`profile.json`.",
             "",
             "```",
-            profile,
+            report.profile,
             "```",
             "",
         ]
     lines += [
+        "## Environment",
+        "",
+        *environment_lines(report.environment),
+        "",
         "## Configuration",
         "",
         "```json",
-        json.dumps(config, indent=2, sort_keys=True),
+        json.dumps(report.config, indent=2, sort_keys=True),
         "```",
         "",
         "Logs of every process are in `logs/`, trainer metrics in `metrics.jsonl`, "
@@ -276,13 +312,10 @@ def write_report(
     return path
 
 
-def _model_text(model: Any) -> str:
-    if not isinstance(model, dict):
-        return f"`{model}`"
-    return (
-        f"`d_model={model.get('d_model')} layers={model.get('num_layers')} "
-        f"heads={model.get('num_heads')} vocab={model.get('vocab_size')}`"
-    )
+def paused_share(producers: dict[str, list[dict[str, Any]]]) -> float | None:
+    """The share of producers' status lines (one per second) that say paused."""
+    rows = [r for lines in producers.values() for r in lines]
+    return sum(1 for r in rows if r.get("paused")) / len(rows) if rows else None
 
 
 def producer_table(producers: dict[str, list[dict[str, Any]]]) -> list[str]:

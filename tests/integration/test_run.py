@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 
 from pipeline.records.ledger import read_ledger
 from tests.conftest import free_port_pair
+from tests.integration.test_broker import rlstream
 from tests.integration.test_cli import last_json
 
 pytestmark = pytest.mark.integration
@@ -59,6 +61,22 @@ def start_long_run(bootstrap: str, run_dir: Path, *extra: str) -> subprocess.Pop
         text=True,
         cwd=ROOT,
     )
+
+
+PLOTS = ("learning", "training", "staleness", "trainer_busy", "lag", "versions")
+
+
+def assert_plots(run_dir: Path, report: str) -> None:
+    """Every plot is in the report, a PNG, and not blank (many distinct pixel values)."""
+    import matplotlib.image as mpimg
+    import numpy as np
+
+    for name in PLOTS:
+        png = run_dir / "plots" / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"plots/{name}.png" in report
+        pixels = mpimg.imread(png)
+        assert len(np.unique(pixels.reshape(-1, pixels.shape[-1]), axis=0)) > 50, name
 
 
 def alive(pid: int) -> bool:
@@ -182,14 +200,27 @@ def test_a_short_run_trains_reports_and_leaves_nothing_running(
     )
     assert figures["trajectories_produced"] == produced >= trained
 
-    # the report states the same numbers and its plots are PNG files
+    # the report states the same numbers in words, opens with its headline, and every
+    # plot is a PNG with something drawn on it
     report = (run_dir / "report.md").read_text()
-    assert f"| `trajectories_trained` | {trained} |" in report
-    assert "| `steps` | 3 |" in report
-    for name in ("learning", "staleness", "trainer_busy", "lag", "versions"):
-        png = run_dir / "plots" / f"{name}.png"
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-        assert f"plots/{name}.png" in report
+    assert f"| trajectories trained | {trained} |" in report
+    assert "| trainer steps | 3 |" in report
+    headline = report.split("## Figures")[0]
+    assert "**Trained:**" in headline and "on `guess` for 3 steps" in headline
+    assert "random answers succeed 41.4%" in headline  # 1 - (7/8)^4, guess's default
+    assert f"busy {figures['trainer_busy']:.0%} of its time" in headline
+    assert figures["random_success"] == pytest.approx(1 - (7 / 8) ** 4)
+    assert_plots(run_dir, report)
+    # sample episodes, read back from the topic, as conversations
+    shown = report.split("## Sample episodes")[1].split("## ")[0]
+    assert shown.count("```text") == 4  # the best and worst of the first and last step
+    assert "environment: Guess my number from 1 to 8." in shown and "\npolicy" in shown
+    assert "(episode over: " in shown
+    # what it ran on, as the trainer recorded it
+    environment = json.loads((run_dir / "environment.json").read_text())
+    assert environment["jax"]["backend"] == "cpu"
+    assert f"JAX backend: cpu ({environment['jax']['devices']} device(s)" in report
+    assert f"jax {environment['versions']['jax']}" in report
     config = json.loads((run_dir / "config.json").read_text())
     assert config["steps"] == 3 and config["producers"] == 2
     assert config["grpo"]["learning_rate"] == 1e-3 and config["sync"] is False
@@ -263,6 +294,30 @@ def test_a_short_run_trains_reports_and_leaves_nothing_running(
         [evals["initial"]["success"], evals["final"]["success"]]
     )
 
+    # rlstream report on what a trainer started on its own leaves: its trainer.json,
+    # environment.json, metrics, ledger, checkpoints and weights, nothing of the run's
+    alone = tmp_path / "alone"
+    shutil.copytree(run_dir, alone)
+    for name in ("config.json", "run.json", "eval.json", "figures.json", "report.md"):
+        (alone / name).unlink()
+    for name in ("plots", "producers", "configs"):
+        shutil.rmtree(alone / name)
+    assert json.loads((alone / "trainer.json").read_text())["max_steps"] == 3
+    made = rlstream(
+        "report", str(alone), "--eval-episodes", "8", "--bootstrap", bootstrap, "--json"
+    )
+    assert made.returncode == 0, made.stderr[-3000:]
+    rebuilt = last_json(made.stdout)["figures"]
+    assert rebuilt["steps"] == 3 and rebuilt["trajectories_trained"] == trained
+    assert rebuilt["trajectories_produced"] is None  # no producer status was kept
+    again = json.loads((alone / "eval.json").read_text())
+    assert again["initial"]["episodes"] == again["final"]["episodes"] == 8
+    assert again["final"]["version"] == 3
+    text = (alone / "report.md").read_text()
+    assert "a trainer started on its own" in text.split("## Figures")[0]
+    assert_plots(alone, text)
+    assert text.split("## Sample episodes")[1].count("```text") == 4  # read from the topic
+
 
 def test_sync_mode_trains_each_batch_on_the_current_policy_only(
     bootstrap: str, tmp_path: Path
@@ -286,7 +341,7 @@ def test_sync_mode_trains_each_batch_on_the_current_policy_only(
     status = json.loads((run_dir / "producers" / "producer-0.jsonl").read_text().splitlines()[-1])
     assert 3 * 8 <= status["episodes"] <= 4 * 8  # (the 4th may have started before the stop)
     assert status["in_flight"] == 0
-    assert "| `status` | completed |" in (run_dir / "report.md").read_text()
+    assert "| how the run ended | completed |" in (run_dir / "report.md").read_text()
 
 
 def test_ctrl_c_mid_run_stops_every_process_and_still_reports(
@@ -312,7 +367,7 @@ def test_ctrl_c_mid_run_stops_every_process_and_still_reports(
         assert not alive(c["pid"])
     assert processes_of(run_dir) == []
     report = (run_dir / "report.md").read_text()
-    assert "| `status` | interrupted |" in report
+    assert "| how the run ended | interrupted |" in report
     assert (run_dir / "plots" / "learning.png").exists()
 
 
@@ -335,7 +390,7 @@ def test_a_dead_child_stops_the_run_with_its_status_and_log(bootstrap: str, tmp_
     out = last_json(stdout)
     assert out["status"] == "failed"
     assert processes_of(run_dir) == []
-    assert "| `status` | failed |" in (run_dir / "report.md").read_text()
+    assert "| how the run ended | failed |" in (run_dir / "report.md").read_text()
 
 
 def test_bad_run_settings_fail_before_anything_starts(tmp_path: Path) -> None:

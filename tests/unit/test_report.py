@@ -68,3 +68,94 @@ def test_run_settings_are_checked() -> None:
     with pytest.raises(InvalidConfigError):
         RunConfig(steps=0)
     assert RunConfig(sync=True, producers=2).rows == 64
+
+
+def test_random_answers_baseline_of_guess() -> None:
+    from connectors.base import make
+
+    assert make("guess").random_success() == pytest.approx(1 - (7 / 8) ** 4)
+    assert make("guess", high=2, max_turns=1).random_success() == pytest.approx(0.5)
+    assert make("calc").random_success() is None  # not known: the report says so
+
+
+def test_headline_states_what_how_far_and_where_time_went() -> None:
+    from pipeline.observe.report import headline
+
+    figures = {
+        "success_initial": 0.075,
+        "success_final": 0.33,
+        "random_success": 0.414,
+        "eval_episodes": 200,
+        "wall_s": 575.5,
+        "pipeline_wall_s": 540.0,
+        "trainer_busy": 0.845,
+        "trajectories_dropped_stale": 12,
+    }
+    lines = [ln for ln in headline("a model on `guess`", figures, 0.25) if ln]
+    assert len(lines) == 3
+    assert lines[1].startswith("**Result:** held-out success went from 7.5% to 33.0% (+25.5")
+    assert "random answers succeed 41.4% (not above it)" in lines[1]
+    assert "busy 84% of its time" in lines[2] or "busy 85% of its time" in lines[2]
+    assert "paused by admission control 25%" in lines[2] and "12 trajectories" in lines[2]
+    # nothing evaluated, no baseline, no producers: said, not left blank
+    bare = headline("x", {"wall_s": 3.0}, None)
+    assert "not evaluated" in bare[2] and "no random baseline" in bare[2]
+    assert "paused" not in bare[4]
+
+
+def test_episode_text_stays_one_line_per_turn_whatever_the_policy_wrote() -> None:
+    import numpy as np
+
+    from pipeline.observe.episodes import Sample, conversation, render
+    from pipeline.policy.tokenizer import ByteTokenizer
+    from pipeline.records.trajectory import Timings, Trajectory, Turn, VersionSpan
+
+    tok = ByteTokenizer()
+    prompt = tok.encode("Guess my number from 1 to 8.")
+    answer = tok.encode("7\n```\x00\x1b[2J" + "x" * 1000)
+    tokens = np.asarray(prompt + answer, dtype=np.int32)
+    n, m = len(prompt), len(answer)
+    t = Trajectory(
+        "t", "g", 1, 0, "guess-1-8-7", "p", "guess", tok.id, tokens,
+        np.asarray([0] * n + [1] * m, dtype=np.uint8), np.zeros(n + m, dtype=np.float32),
+        [VersionSpan(n, n + m, 3)],
+        [Turn("user", 0, n), Turn("assistant", n, n + m, "\x07tool")],
+        1.0, {}, "ok", Timings(0, 1), {},
+    )  # fmt: skip
+    lines = conversation(t, tok, max_chars=50)
+    assert lines[0] == "environment: Guess my number from 1 to 8."
+    assert lines[1].startswith("policy (calls \\x07tool): 7\\n'''\\x00\\x1b[2J")
+    assert lines[1].endswith("more characters)") and "\n" not in lines[1]
+    assert lines[-1] == "(episode over: ok, reward 1)"
+    text = render([Sample("best of the last step", 9, t)], tok)
+    assert text[0].startswith("**best of the last step** (step 9): reward 1.00, ok")
+    assert "policy version 3" in text[0]
+    assert sum(1 for ln in text if ln.startswith("```")) == 2  # the block is never closed early
+
+
+def test_an_empty_or_foreign_directory_is_refused_and_a_bare_run_still_plots(
+    tmp_path: Path,
+) -> None:
+    from pipeline.launch.report import build_report
+    from pipeline.observe.plots import Limits, render
+
+    with pytest.raises(InvalidConfigError, match="neither config"):
+        build_report(tmp_path, None)
+    with pytest.raises(InvalidConfigError, match="not a directory"):
+        build_report(tmp_path / "missing", None)
+    # a run that trained nothing yet: every plot is drawn, empty but labelled
+    made = render(tmp_path, Limits(start_time=0.0, max_staleness=2, admission_budget=128))
+    assert len(made) == 6
+    for _, rel in made:
+        assert (tmp_path / rel).stat().st_size > 1000
+    # metrics with NaN and missing figures plot too
+    rows = [
+        {"step": 1, "version": 1, "time": 10.0, "loss": float("nan"), "reward": {"guess": 0.5},
+         "success": {"guess": 0.0}, "staleness_hist": {"0": 8}, "lag": 3, "busy_s": 1.0,
+         "idle_s": 0.0, "busy_share": 1.0, "staleness_mean": 0.0},
+        {"step": 2, "version": 2, "time": 11.0, "reward": {"guess": float("nan")},
+         "success": {}, "staleness_hist": {}, "busy_s": 1.5, "idle_s": 0.5,
+         "busy_share": 0.75, "staleness_mean": 1.0},
+    ]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert len(render(tmp_path, Limits(start_time=0.0, evals=((0, 0.1), (2, 0.2))))) == 6
