@@ -32,6 +32,7 @@ def register(sub: Any) -> None:
             "scale",
             "learn",
         ],
+        help="the benchmark (docs/benchmarks.md says what each one measures)",
     )
     p.add_argument(
         "--model",

@@ -22,7 +22,11 @@ from pipeline.errors import InvalidConfigError
 
 def register(sub: Any) -> None:
     p = sub.add_parser("broker", help="start, stop or inspect the local Apache Kafka (KRaft)")
-    p.add_argument("action", choices=["start", "stop", "status"])
+    p.add_argument(
+        "action",
+        choices=["start", "stop", "status"],
+        help="start it (idempotent), stop it, or say whether it runs and answers",
+    )
     p.add_argument(
         "--nodes",
         type=int,
@@ -80,7 +84,7 @@ def broker_dir(args: argparse.Namespace) -> Path:
     was started there, else the one running broker ``broker start`` started anywhere."""
     from pipeline.kafka.broker import STATE_FILE, running_brokers
 
-    if args.data_dir is not None:
+    if getattr(args, "data_dir", None) is not None:
         return Path(args.data_dir)
     if args.action == "start" or (BROKER_DIR / STATE_FILE).exists():
         return BROKER_DIR

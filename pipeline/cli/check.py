@@ -37,7 +37,7 @@ def register(sub: Any) -> None:
     add_namespace_arg(p)
     p.add_argument("--trajectories", type=int, default=2000, help="how many to send")
     p.add_argument("--tokens", type=int, default=4096, help="tokens per trajectory")
-    p.add_argument("--partitions", type=int, default=4)
+    p.add_argument("--partitions", type=int, default=4, help="partitions of the test topic")
     add_kafka_args(p)
     add_broker_args(p)
     add_json_arg(p)

@@ -99,14 +99,18 @@ BROKER_DIR = Path(".rlstream/broker")
 
 def add_broker_args(p: argparse.ArgumentParser, find: bool = False) -> None:
     """``--data-dir`` and ``--port`` of the local broker; with ``find``, an absent
-    ``--data-dir`` stays None (the command looks for the running broker)."""
+    ``--data-dir`` is left unset (the command looks for the running broker)."""
     env_dir = env_default("RLSTREAM_BROKER_DIR", "")
     p.add_argument(
         "--data-dir",
         type=Path,
-        default=Path(env_dir) if env_dir else None if find else BROKER_DIR,
+        default=Path(env_dir) if env_dir else argparse.SUPPRESS if find else BROKER_DIR,
         help="local broker state and logs (env RLSTREAM_BROKER_DIR; default "
-        f"{BROKER_DIR}{'; status and stop find a broker started elsewhere' if find else ''})",
+        + (
+            f"{BROKER_DIR}; status and stop find a broker started elsewhere)"
+            if find
+            else "%(default)s)"
+        ),
     )
     p.add_argument(
         "--port",

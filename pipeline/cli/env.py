@@ -22,7 +22,11 @@ def register(sub: Any) -> None:
         "or list the registered ones",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("action", choices=["serve", "list"])
+    p.add_argument(
+        "action",
+        choices=["serve", "list"],
+        help="list the registered environments, or serve one over HTTP",
+    )
     p.add_argument("name", nargs="?", help="registered environment name (serve)")
     add_flags(p, ServeConfig)
     p.set_defaults(func=cmd_env, settings=ServeConfig)

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from pipeline.cli import bench, broker, check, config, env, model, produce, replay, run, train
 from pipeline.errors import RlstreamError
@@ -29,6 +31,18 @@ def version_line() -> str:
     return f"rlstream {own} ({', '.join(f'{k} {v}' for k, v in found.items())}; Python {python})"
 
 
+class _Version(argparse.Action):
+    """``--version``: the versions are looked up only when asked for."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kw: Any) -> None:
+        kw.pop("default", None)
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kw)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        print(version_line())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlstream",
@@ -38,12 +52,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument(
-        "--version", action="version", version=version_line(), help="show versions and exit"
+        "--debug",
+        action="store_true",
+        default=bool(os.environ.get("RLSTREAM_DEBUG")),
+        help="show the traceback of an unexpected error (env RLSTREAM_DEBUG)",
     )
+    parser.add_argument("--version", action=_Version, help="show versions and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.register(sub)
+    for p in subcommands(parser):  # every sub-command's help shows every default
+        p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     return parser
+
+
+def subcommands(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """Every parser below ``parser``, at any depth."""
+    out = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                out += [child, *subcommands(child)]
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -63,3 +93,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("rlstream: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        if args.debug:
+            raise
+        print(
+            f"rlstream: unexpected error: {type(e).__name__}: {e} (rerun with --debug for "
+            "the traceback, and report it if it is not a problem of your input)",
+            file=sys.stderr,
+        )
+        return 1

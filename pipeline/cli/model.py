@@ -23,19 +23,33 @@ def register(sub: Any) -> None:
         help="write a randomly initialized Hugging Face checkpoint with its own tokenizer",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    init.add_argument("--family", choices=["llama", "qwen2", "qwen3"], default="qwen2")
-    init.add_argument("--preset", choices=["tiny", "0.5b-shape"], default="tiny")
-    init.add_argument("--seed", type=int, default=0)
-    init.add_argument("-o", "--output", type=Path, required=True)
+    init.add_argument(
+        "--family",
+        choices=["llama", "qwen2", "qwen3"],
+        default="qwen2",
+        help="the architecture and config.json style of the checkpoint",
+    )
+    init.add_argument(
+        "--preset",
+        choices=["tiny", "0.5b-shape"],
+        default="tiny",
+        help="its sizes: tiny (fast tests) or the shapes of a 0.5B model",
+    )
+    init.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    init.add_argument(
+        "-o", "--output", type=Path, required=True, help="the checkpoint directory to write"
+    )
     init.set_defaults(func=cmd_init)
     inspect = actions.add_parser("inspect", help="what rlstream reads from a checkpoint")
-    inspect.add_argument("directory", type=Path)
+    inspect.add_argument("directory", type=Path, help="a Hugging Face checkpoint directory")
     inspect.set_defaults(func=cmd_inspect)
     export = actions.add_parser(
         "export", help="write a trainer's weights as a Hugging Face checkpoint"
     )
     export.add_argument("weights", type=Path, help="weights/vN of a run, or a checkpoint")
-    export.add_argument("-o", "--output", type=Path, required=True)
+    export.add_argument(
+        "-o", "--output", type=Path, required=True, help="the checkpoint directory to write"
+    )
     export.set_defaults(func=cmd_export)
 
 

@@ -24,7 +24,11 @@ def register(sub: Any) -> None:
         "replay",
         help="record a namespace's trajectories to an Avro file, inspect them, publish them again",
     )
-    p.add_argument("action", choices=["record", "inspect", "play"])
+    p.add_argument(
+        "action",
+        choices=["record", "inspect", "play"],
+        help="record a namespace's topics to a file; inspect a file; play it into a namespace",
+    )
     p.add_argument("file", nargs="?", default=None, help="a recording (inspect, play)")
     p.add_argument(
         "--namespace",

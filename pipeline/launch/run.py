@@ -55,6 +55,7 @@ def child_environment(kafka: KafkaConfig) -> dict[str, str]:
     env = {
         "RLSTREAM_BOOTSTRAP": kafka.bootstrap,
         "RLSTREAM_SECURITY_PROTOCOL": sec.protocol,
+        "RLSTREAM_DEBUG": "1",  # a child's log keeps the traceback of an unexpected error
     }
     for name, value in (
         ("RLSTREAM_SASL_MECHANISM", sec.sasl_mechanism),

@@ -9,6 +9,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -88,3 +90,26 @@ def test_version_names_rlstream_and_its_libraries(capsys: object) -> None:
     out = " ".join(capsys.readouterr().out.split())  # type: ignore[attr-defined]
     assert out.startswith(f"rlstream {__version__} (jax ")
     assert re.search(r"confluent-kafka \d+\.\d+", out) and "Python 3." in out
+    assert re.search(r"kafka \(local broker\) 4\.\d+\.\d+", out)
+
+
+def test_an_unexpected_error_is_one_sentence_unless_debug(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pipeline.cli import env
+    from pipeline.cli.main import main
+
+    def broken(args: object) -> int:
+        raise ValueError("a value nobody checked")
+
+    monkeypatch.setattr(env, "cmd_env", broken)
+    monkeypatch.delenv("RLSTREAM_DEBUG", raising=False)
+    assert main(["env", "list"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "unexpected error: ValueError: a value nobody checked" in err and "--debug" in err
+    with pytest.raises(ValueError, match="nobody checked"):
+        main(["--debug", "env", "list"])
+    monkeypatch.setenv("RLSTREAM_DEBUG", "1")  # how rlstream run starts its children
+    with pytest.raises(ValueError):
+        main(["env", "list"])

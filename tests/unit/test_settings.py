@@ -186,3 +186,33 @@ def test_help_comes_from_the_field_comments_with_the_defaults() -> None:
     text = " ".join(sub.choices["train"].format_help().split())
     assert "--learning-rate NUMBER, --grpo.learning-rate NUMBER" in text
     assert "AdamW's peak learning rate (after warm-up) (default: 0.001)" in text
+
+
+def test_every_flag_of_every_command_is_described_with_its_default_once() -> None:
+    import argparse
+
+    from pipeline.cli.main import build_parser, subcommands
+
+    parsers = subcommands(build_parser())
+    assert {p.prog for p in parsers} >= {
+        "rlstream report",
+        "rlstream topics",
+        "rlstream produce",
+        "rlstream train",
+        "rlstream model init",
+    }
+    for p in parsers:
+        assert p.formatter_class is argparse.ArgumentDefaultsHelpFormatter, p.prog
+        for a in p._actions:
+            if isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            where = f"{p.prog} {'/'.join(a.option_strings) or a.dest}"
+            assert a.help and a.help != argparse.SUPPRESS, f"{where} has no description"
+            shown_by_formatter = (
+                bool(a.option_strings)
+                and "%(default)" not in a.help
+                and a.default not in (argparse.SUPPRESS, None)
+            )
+            if shown_by_formatter:  # then the text must not state it a second time
+                assert "default" not in a.help.replace("defaults", ""), where
+        p.format_help()  # every help renders
