@@ -172,13 +172,18 @@ def render(run_dir: Path, limits: Limits) -> list[tuple[str, str]]:
         lw=1.8,
         label="trainer group's lag (records not trained yet)",
     )
-    for name, rows in producers.items():
+    for i, (name, rows) in enumerate(producers.items()):
+        ts = [r["time"] for r in rows]
+        width = window_s(ts)
+        wx, avg, peak = windows(ts, [r.get("lag", 0) + r.get("in_flight", 0) for r in rows], width)
+        wm = [minutes(t) for t in wx]
+        ax.fill_between(wm, avg, peak, color=f"C{i + 1}", alpha=0.2, lw=0)
         ax.plot(
-            [minutes(r["time"]) for r in rows],
-            [r.get("lag", 0) + r.get("in_flight", 0) for r in rows],
-            ":",
+            wm,
+            avg,
+            color=f"C{i + 1}",
             lw=1.2,
-            label=f"{name}: lag plus its episodes in flight",
+            label=f"{name}: lag plus its episodes in flight (mean, max per {width:.0f} s)",
         )
     if limits.admission_budget is not None:
         ax.axhline(limits.admission_budget, color="C3", ls="--", label="admission budget")
@@ -190,9 +195,14 @@ def render(run_dir: Path, limits: Limits) -> list[tuple[str, str]]:
     # how far behind the trainer each producer's weights are
     fig, ax = plt.subplots(figsize=(8, 3.8))
     times = [m["time"] for m in metrics]
-    for name, rows in producers.items():
+    for i, (name, rows) in enumerate(producers.items()):
         gap = [trainer_version(times, metrics, r["time"]) - r.get("version", 0) for r in rows]
-        ax.step([minutes(r["time"]) for r in rows], gap, where="post", lw=1.5, label=name)
+        ts = [r["time"] for r in rows]
+        width = window_s(ts)
+        wx, avg, peak = windows(ts, gap, width)
+        wm = [minutes(t) for t in wx]
+        ax.fill_between(wm, avg, peak, color=f"C{i}", alpha=0.2, lw=0)
+        ax.plot(wm, avg, color=f"C{i}", lw=1.5, label=f"{name} (mean, max per {width:.0f} s)")
     if limits.max_staleness is not None:
         ax.axhline(limits.max_staleness, color="C3", ls="--", label="staleness bound")
     ax.set(xlabel="minutes since start", ylabel="versions behind the trainer")
@@ -201,6 +211,32 @@ def render(run_dir: Path, limits: Limits) -> list[tuple[str, str]]:
     _legend(ax, fontsize=8)
     save(fig, "versions.png", "Version gap: trainer's policy version minus each producer's")
     return made
+
+
+def window_s(times: list[float]) -> float:
+    """The window that summarises a per-second line into about 60 points (at least 1 s)."""
+    return max(1.0, round((times[-1] - times[0]) / 60)) if times else 1.0
+
+
+def windows(
+    times: list[float], values: list[float], width_s: float
+) -> tuple[list[float], list[float], list[float]]:
+    """Mean and maximum of ``values`` over consecutive windows of ``width_s`` seconds
+    (at each window's middle): a line that reads at a glance instead of a band."""
+    xs: list[float] = []
+    means: list[float] = []
+    tops: list[float] = []
+    chunk: list[float] = []
+    start = times[0] if times else 0.0
+    for t, v in zip([*times, math.inf], [*values, math.nan], strict=True):
+        if t - start >= width_s and chunk:
+            xs.append(start + width_s / 2)
+            means.append(sum(chunk) / len(chunk))
+            tops.append(max(chunk))
+            chunk, start = [], t
+        if not math.isnan(v):
+            chunk.append(v)
+    return xs, means, tops
 
 
 def _legend(ax: Any, **kw: Any) -> None:

@@ -158,4 +158,14 @@ def test_an_empty_or_foreign_directory_is_refused_and_a_bare_run_still_plots(
          "busy_share": 0.75, "staleness_mean": 1.0},
     ]  # fmt: skip
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert len(render(tmp_path, Limits(start_time=0.0, evals=((0, 0.1), (2, 0.2))))) == 6
+    # two producers' status lines, one per second, one of them with a torn last line
+    (tmp_path / "producers").mkdir()
+    for name, n in (("producer-0", 90), ("producer-1", 3)):
+        status = [
+            {"time": 5.0 + i, "episodes": 4 * i, "in_flight": 8, "lag": i % 7, "version": i // 30}
+            for i in range(n)
+        ]
+        text = "".join(json.dumps(r) + "\n" for r in status)
+        (tmp_path / "producers" / f"{name}.jsonl").write_text(text + '{"time": ')
+    made = render(tmp_path, Limits(start_time=0.0, max_staleness=2, evals=((0, 0.1), (2, 0.2))))
+    assert len(made) == 6
