@@ -26,7 +26,7 @@ def add_kafka_args(p: argparse.ArgumentParser) -> None:
         "--bootstrap",
         default=env_default("RLSTREAM_BOOTSTRAP"),
         help="bootstrap servers host:port[,...] of an existing cluster "
-        "(env RLSTREAM_BOOTSTRAP; default: the local broker)",
+        "(env RLSTREAM_BOOTSTRAP; neither given: the local broker)",
     )
     g.add_argument(
         "--security-protocol",
@@ -105,11 +105,11 @@ def add_broker_args(p: argparse.ArgumentParser, find: bool = False) -> None:
         "--data-dir",
         type=Path,
         default=Path(env_dir) if env_dir else argparse.SUPPRESS if find else BROKER_DIR,
-        help="local broker state and logs (env RLSTREAM_BROKER_DIR; default "
-        + (
-            f"{BROKER_DIR}; status and stop find a broker started elsewhere)"
+        help=(
+            f"local broker state and logs (env RLSTREAM_BROKER_DIR; neither given: {BROKER_DIR}, "
+            "and status and stop find a broker started elsewhere)"
             if find
-            else "%(default)s)"
+            else "local broker state and logs (env RLSTREAM_BROKER_DIR; default %(default)s)"
         ),
     )
     p.add_argument(

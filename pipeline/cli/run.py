@@ -37,7 +37,7 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--namespace",
         default=env_default("RLSTREAM_NAMESPACE"),
-        help="experiment namespace (env RLSTREAM_NAMESPACE; default: a new one per run)",
+        help="experiment namespace (env RLSTREAM_NAMESPACE; neither given: a new one per run)",
     )
     p.add_argument("--run-dir", default=None, help="default: runs/<namespace>")
     p.add_argument(

@@ -54,23 +54,18 @@ def commit() -> str:
     if not (root / ".git").exists():
         return "unknown"
     try:
-        head = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
+        head = _git(root, "rev-parse", "--short=12", "HEAD")
+        dirty = _git(root, "status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return head + ("+changes" if dirty else "")
+
+
+def _git(root: Path, *args: str) -> str:
+    done = subprocess.run(
+        ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10, check=True
+    )
+    return done.stdout.strip()
 
 
 def backend() -> dict[str, Any]:

@@ -188,11 +188,19 @@ def test_help_comes_from_the_field_comments_with_the_defaults() -> None:
     assert "AdamW's peak learning rate (after warm-up) (default: 0.001)" in text
 
 
-def test_every_flag_of_every_command_is_described_with_its_default_once() -> None:
+@pytest.mark.parametrize("from_env", [False, True])
+def test_every_flag_of_every_command_is_described_with_its_default_once(
+    from_env: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import argparse
 
     from pipeline.cli.main import build_parser, subcommands
 
+    for var in ("BOOTSTRAP", "NAMESPACE", "BROKER_DIR", "RUN_DIR", "SASL_USERNAME", "SSL_CA"):
+        if from_env:  # defaults taken from the environment are shown once too
+            monkeypatch.setenv(f"RLSTREAM_{var}", "x")
+        else:
+            monkeypatch.delenv(f"RLSTREAM_{var}", raising=False)
     parsers = subcommands(build_parser())
     assert {p.prog for p in parsers} >= {
         "rlstream report",
