@@ -116,13 +116,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     import json
 
-    from pipeline.errors import RlstreamError
+    from pipeline.errors import InvalidConfigError, RlstreamError
     from pipeline.launch.cluster import checked
-    from pipeline.launch.report import build_report
+    from pipeline.launch.report import build_report, subject
     from pipeline.settings import parse_item
 
     options = dict(parse_item(item) for item in args.env_option) if args.env_option else None
-    kafka = None
+    if not args.run_dir.is_dir():
+        raise InvalidConfigError(f"{args.run_dir} is not a directory: give a run directory")
+    subject(args.run_dir, args.env, options, args.eval_episodes)  # refused before connecting
+    kafka, no_kafka = None, ""
     try:  # the cluster the run used, unless one is given
         run_info = json.loads((args.run_dir / "run.json").read_text())
     except (OSError, ValueError):
@@ -131,6 +134,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     try:
         kafka = checked(wanted)
     except RlstreamError as e:
+        no_kafka = f"Kafka at {wanted.bootstrap} did not answer"
         print(
             f"rlstream: warning: no sample episodes and no profile in the report: {e}",
             file=sys.stderr,
@@ -142,6 +146,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         env_options=options,
         eval_episodes=args.eval_episodes,
         say=lambda text: print(text, flush=True),
+        no_kafka=no_kafka,
     )
     print_result(
         args,

@@ -222,9 +222,11 @@ def build_report(
     env_options: Mapping[str, Any] | None = None,
     eval_episodes: int | None = None,
     say: Callable[[str], None] = print,
+    no_kafka: str = "no Kafka cluster was given",
 ) -> tuple[dict[str, Any], Path]:
     """Evaluate what is not evaluated yet, then write ``figures.json``, ``report.md``
-    and ``plots/``; returns the figures and the report's path."""
+    and ``plots/``; returns the figures and the report's path. Without ``kafka`` the
+    episodes and the profile are left out, the report saying why (``no_kafka``)."""
     if not run_dir.is_dir():
         raise InvalidConfigError(f"{run_dir} is not a directory: give a run directory")
     s = subject(run_dir, env, env_options, eval_episodes)
@@ -241,7 +243,7 @@ def build_report(
         random_success=figs["random_success"],
     )
     plots = render(run_dir, limits)
-    profile_text, shown = "", ["Not read: no Kafka cluster was given."]
+    profile_text, shown = "", [f"Not read: {no_kafka}."]
     if kafka is not None and s.namespace:
         profile_text = profile(run_dir, kafka, s.namespace)
         shown = sample_episodes(run_dir, kafka, s.model)

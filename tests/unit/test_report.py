@@ -169,3 +169,20 @@ def test_an_empty_or_foreign_directory_is_refused_and_a_bare_run_still_plots(
         (tmp_path / "producers" / f"{name}.jsonl").write_text(text + '{"time": ')
     made = render(tmp_path, Limits(start_time=0.0, max_staleness=2, evals=((0, 0.1), (2, 0.2))))
     assert len(made) == 6
+
+
+def test_report_refuses_a_directory_that_is_no_run_before_connecting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    import time
+
+    from pipeline.cli.main import main
+
+    start = time.monotonic()
+    assert main(["report", str(tmp_path), "--bootstrap", "127.0.0.1:1"]) == 2
+    assert main(["report", str(tmp_path / "nothing"), "--bootstrap", "127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err
+    assert "neither config.json (written by rlstream run) nor trainer.json" in err
+    assert "nothing is not a directory" in err
+    assert time.monotonic() - start < 5  # no connection was tried
+    assert not any("waiting for Kafka" in r.getMessage() for r in caplog.records)
