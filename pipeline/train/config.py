@@ -33,9 +33,11 @@ class GRPOConfig:
     clip_high: float = 0.28
     #: truncation of the behaviour importance weight
     is_cap: float = 2.0
-    #: off-policy correction: decoupled (PPO against the proximal policy), tis
-    #: (truncated importance sampling) or none (stale samples taken as on-policy)
-    correction: str = "decoupled"
+    #: off-policy correction: tis (truncated importance sampling: the clipped ratio
+    #: against the behaviour policy), decoupled (PPO against the proximal policy) or none
+    #: (stale samples taken as on-policy); tis learned more in every seed of the sweep
+    #: in docs/benchmarks.md
+    correction: str = "tis"
     #: loss aggregation: token_mean, seq_mean_token_mean or seq_mean_token_sum
     aggregation: str = "token_mean"
     #: coefficient of the KL penalty to the initial policy (0: none)

@@ -243,7 +243,8 @@ def make_train_step(
             unclipped = jnp.minimum(ratio, cfg.is_cap) * adv
         clipped = jnp.clip(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high) * adv
         per_token = -weight * jnp.minimum(unclipped, clipped)
-        tokens = jnp.maximum(jnp.sum(mask), 1.0)
+        # the minibatch's policy tokens: a micro-batch's metrics are its share of them
+        tokens = jnp.maximum(denom[0], 1.0)
         metrics = {}
         if ref is not None:
             if cfg.kl_estimator == "k1":
@@ -290,9 +291,10 @@ def make_train_step(
 
         zeros = jax.tree.map(jnp.zeros_like, trainable)
         grads, metrics = jax.lax.scan(accumulate, zeros, micro)
-        # the loss is one normalised sum in k parts; the other metrics are averaged
-        reduce: dict[str, Any] = {"loss": jnp.sum, "is_weight_max": jnp.max}
-        return {n: reduce.get(n, jnp.mean)(v) for n, v in metrics.items()}, grads
+        # every metric is one sum normalised by the minibatch, in k parts (the largest
+        # weight is the largest of the parts')
+        reduce: dict[str, Any] = {"is_weight_max": jnp.max}
+        return {n: reduce.get(n, jnp.sum)(v) for n, v in metrics.items()}, grads
 
     @functools.partial(jax.jit, **jit_args)
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
