@@ -114,23 +114,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    import json
-
-    from pipeline.errors import InvalidConfigError, RlstreamError
+    from pipeline.errors import RlstreamError
     from pipeline.launch.cluster import checked
-    from pipeline.launch.report import build_report, subject
+    from pipeline.launch.report import build_report, run_info, subject
     from pipeline.settings import parse_item
 
     options = dict(parse_item(item) for item in args.env_option) if args.env_option else None
-    if not args.run_dir.is_dir():
-        raise InvalidConfigError(f"{args.run_dir} is not a directory: give a run directory")
     subject(args.run_dir, args.env, options, args.eval_episodes)  # refused before connecting
     kafka, no_kafka = None, ""
-    try:  # the cluster the run used, unless one is given
-        run_info = json.loads((args.run_dir / "run.json").read_text())
-    except (OSError, ValueError):
-        run_info = {}
-    wanted = kafka_config(args, args.bootstrap or run_info.get("bootstrap"), check=False)
+    bootstrap = args.bootstrap or run_info(args.run_dir).get("bootstrap")  # the run's cluster
+    wanted = kafka_config(args, bootstrap, check=False)
     try:
         kafka = checked(wanted)
     except RlstreamError as e:

@@ -75,7 +75,9 @@ def subject(
     from pipeline.launch.config import RunConfig
     from pipeline.train.config import TrainerConfig
 
-    info = _json(run_dir / "run.json") or {}
+    if not run_dir.is_dir():
+        raise InvalidConfigError(f"{run_dir} is not a directory: give a run directory")
+    info = run_info(run_dir)
     if (run_dir / "config.json").exists():
         cfg = resolve(RunConfig, {}, file=run_dir / "config.json")
         batch = cfg.groups_per_batch * cfg.group_size
@@ -171,7 +173,7 @@ def figures(
     """The run's figures, from its files."""
     metrics = trainer_metrics(run_dir)
     ledger = ledger_summary(run_dir)
-    info = _json(run_dir / "run.json") or {}
+    info = run_info(run_dir)
     produced, versions = 0, {}
     for name, rows in producer_status(run_dir).items():
         if rows:
@@ -227,13 +229,11 @@ def build_report(
     """Evaluate what is not evaluated yet, then write ``figures.json``, ``report.md``
     and ``plots/``; returns the figures and the report's path. Without ``kafka`` the
     episodes and the profile are left out, the report saying why (``no_kafka``)."""
-    if not run_dir.is_dir():
-        raise InvalidConfigError(f"{run_dir} is not a directory: give a run directory")
     s = subject(run_dir, env, env_options, eval_episodes)
     evals = evaluations(run_dir, s, say)
     figs = figures(run_dir, s, evals)
     metrics = trainer_metrics(run_dir)
-    info = _json(run_dir / "run.json") or {}
+    info = run_info(run_dir)
     start = info.get("start_time") or started(metrics, producer_status(run_dir))
     limits = Limits(
         start_time=start,
@@ -307,6 +307,13 @@ def sample_episodes(run_dir: Path, kafka: KafkaConfig, model: ModelConfig) -> li
     if not shown:
         return ["The rollout topic no longer holds the trained records (retention)."]
     return episodes.render(shown, tokenizer)
+
+
+def run_info(run_dir: Path) -> dict[str, Any]:
+    """``run.json`` (what ``rlstream run`` recorded: namespace, cluster, times, status),
+    empty for a directory without one."""
+    info = _json(run_dir / "run.json")
+    return info if isinstance(info, dict) else {}
 
 
 def _json(path: Path) -> Any:

@@ -6,6 +6,7 @@ Each plot has a title, labelled axes with units and the limits that bound what i
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 import math
@@ -247,8 +248,6 @@ def _legend(ax: Any, **kw: Any) -> None:
 
 def trainer_version(times: list[float], metrics: list[dict[str, Any]], t: float) -> int:
     """The trainer's version at time ``t`` (the last step at or before it)."""
-    import bisect
-
     i = bisect.bisect_right(times, t)
     return int(metrics[i - 1]["version"]) if i else 0
 
