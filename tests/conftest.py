@@ -11,11 +11,15 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from pipeline import compile_cache
 from pipeline.kafka.client import KafkaConfig
+
+if TYPE_CHECKING:
+    from pipeline.records.registry import SchemaRegistry
 
 # One compilation cache for this test run and every rlstream process it starts (a fresh
 # private directory: nothing compiled by another run is loaded).
@@ -71,3 +75,37 @@ def kafka(bootstrap: str) -> KafkaConfig:
 def namespace() -> str:
     """A fresh namespace per test, so tests never see each other's records."""
     return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture(scope="session")
+def schema_registry_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real schema registry: ``RLSTREAM_TEST_SCHEMA_REGISTRY``, or a local Apicurio
+    Registry the test run starts (``rlstream registry start``) and stops at the end."""
+    if os.environ.get("RLSTREAM_TEST_SCHEMA_REGISTRY"):
+        yield os.environ["RLSTREAM_TEST_SCHEMA_REGISTRY"]
+        return
+    from pipeline.kafka.registry_server import LocalRegistry, RegistryServerConfig
+
+    server = LocalRegistry(
+        RegistryServerConfig(data_dir=tmp_path_factory.mktemp("registry"), port=free_port_pair(1))
+    )
+    server.start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def schema_registry(schema_registry_url: str) -> Iterator[SchemaRegistry]:
+    """This process's codecs resolve through the registry for the test's duration, as
+    with ``--schema-registry``."""
+    from pipeline.records.registry import RegistryConfig, SchemaRegistry
+    from pipeline.records.schema_store import default_store
+
+    store = default_store()
+    store.registry = SchemaRegistry(RegistryConfig(schema_registry_url))
+    try:
+        yield store.registry
+    finally:
+        store.registry = None

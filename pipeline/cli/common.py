@@ -61,6 +61,26 @@ def add_kafka_args(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="any librdkafka setting, passed through (repeatable)",
     )
+    r = p.add_argument_group("Schema registry")
+    r.add_argument(
+        "--schema-registry",
+        default=env_default("RLSTREAM_SCHEMA_REGISTRY"),
+        metavar="URL",
+        help="a registry with Confluent's API (Apicurio: http://HOST:PORT/apis/ccompat/v7): "
+        "producers register <topic>-value subjects and write Confluent's wire format, "
+        "readers resolve its schema ids (env RLSTREAM_SCHEMA_REGISTRY; neither given: "
+        "single-object encoding, and registry-framed records are refused)",
+    )
+    r.add_argument(
+        "--schema-registry-user",
+        default=env_default("RLSTREAM_SCHEMA_REGISTRY_USER"),
+        help="basic-auth user (env RLSTREAM_SCHEMA_REGISTRY_USER)",
+    )
+    r.add_argument(
+        "--schema-registry-password",
+        default=env_default("RLSTREAM_SCHEMA_REGISTRY_PASSWORD"),
+        help="basic-auth password (env RLSTREAM_SCHEMA_REGISTRY_PASSWORD; prefer the variable)",
+    )
 
 
 def add_telemetry_arg(p: argparse.ArgumentParser) -> None:
@@ -153,7 +173,24 @@ def kafka_config(
     kafka = KafkaConfig(
         bootstrap=bootstrap or args.bootstrap or "127.0.0.1:9092", security=security, extra=extra
     )
+    use_schema_registry(args)
     return checked(kafka) if check else kafka
+
+
+def use_schema_registry(args: argparse.Namespace) -> None:
+    """Every codec of this process resolves (and producers register) schemas through the
+    registry ``--schema-registry`` names, if any."""
+    url = getattr(args, "schema_registry", None)
+    if not url:
+        return
+    from pipeline.records.registry import RegistryConfig, SchemaRegistry
+    from pipeline.records.schema_store import default_store
+
+    store = default_store()
+    if store.registry is None or store.registry.config.url != url:
+        store.registry = SchemaRegistry(
+            RegistryConfig(url, args.schema_registry_user, args.schema_registry_password)
+        )
 
 
 def print_result(args: argparse.Namespace, result: dict[str, Any], text: str) -> None:

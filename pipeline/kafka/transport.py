@@ -22,25 +22,34 @@ from pipeline.kafka.client import KafkaConfig, kafka_errors, wrap_error
 from pipeline.kafka.topics import rollout_topic
 from pipeline.observe.telemetry import span
 from pipeline.records.codec import TrajectoryCodec
+from pipeline.records.registry import SchemaRegistry, framing
+from pipeline.records.schema_store import default_store
 from pipeline.records.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
 
 
 class TrajectoryWriter:
-    """Produces trajectories to ``<ns>.rollouts.<env>`` with the codec's headers."""
+    """Produces trajectories to ``<ns>.rollouts.<env>`` with the codec's headers.
+
+    With a schema registry (the default store's, set by ``--schema-registry``), the
+    Trajectory schema is registered under each topic's ``<topic>-value`` subject on the
+    topic's first use (:meth:`route`) and records carry the Confluent wire format.
+    """
 
     def __init__(
         self,
         kafka: KafkaConfig,
         namespace: str,
         codec: TrajectoryCodec | None = None,
+        registry: SchemaRegistry | None = None,
         **producer_overrides: Any,
     ) -> None:
         self.namespace = namespace
         self.codec = codec or TrajectoryCodec()
+        self.registry = registry or default_store().registry
         self._producer = kafka.producer(**producer_overrides)
-        self._topics: dict[str, str] = {}
+        self._topics: dict[str, tuple[str, bytes | None]] = {}
         self._lock = threading.Lock()
         self.sent = 0
         self.delivered = 0
@@ -51,15 +60,27 @@ class TrajectoryWriter:
     def write(self, t: Trajectory) -> None:
         """Encode and enqueue one trajectory (waits while the local queue is full)."""
         with span("produce", "kafka", env=t.env):
-            value = self.codec.encode(t)
+            value = self.codec.encode(t, self.route(t.env)[1])
             self.write_encoded(t.env, t.group_id, value, self.codec.headers(t))
+
+    def route(self, env: str) -> tuple[str, bytes | None]:
+        """The topic of ``env``'s trajectories and the framing records to it carry (None:
+        single-object encoding). With a registry, the first call registers the schema
+        and raises :class:`RegistryError` with the registry's reason if it refuses."""
+        route = self._topics.get(env)
+        if route is None:
+            topic = rollout_topic(self.namespace, env)
+            prefix = None
+            if self.registry is not None:
+                schema_id = self.registry.register(f"{topic}-value", self.codec.schema.text)
+                prefix = framing(schema_id)
+            route = self._topics[env] = (topic, prefix)
+        return route
 
     def write_encoded(
         self, env: str, key: str, value: bytes, headers: Sequence[tuple[str, bytes]]
     ) -> None:
-        topic = self._topics.get(env)
-        if topic is None:
-            topic = self._topics[env] = rollout_topic(self.namespace, env)
+        topic = self.route(env)[0]
         while True:
             try:
                 self._producer.produce(

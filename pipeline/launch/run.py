@@ -34,6 +34,7 @@ from pipeline.launch.supervisor import Child, Supervisor
 from pipeline.observe.report import last_json, mean_over_envs
 from pipeline.observe.telemetry import NullTracer, Tracer, install, span
 from pipeline.observe.tensorboard import ScalarWriter
+from pipeline.records.schema_store import default_store
 from pipeline.settings import to_mapping, write_file
 from pipeline.train.members import free_coordinator
 
@@ -65,6 +66,12 @@ def child_environment(kafka: KafkaConfig) -> dict[str, str]:
     ):
         if value:
             env[name] = value
+    registry = default_store().registry
+    if registry is not None:
+        env["RLSTREAM_SCHEMA_REGISTRY"] = registry.config.url
+        if registry.config.username is not None:
+            env["RLSTREAM_SCHEMA_REGISTRY_USER"] = registry.config.username
+            env["RLSTREAM_SCHEMA_REGISTRY_PASSWORD"] = str(registry.config.password)
     return env
 
 

@@ -4,10 +4,15 @@ Wire format (Avro specification, "single-object encoding")::
 
     C3 01 | 8-byte CRC-64-AVRO fingerprint of the writer schema (little-endian) | body
 
-The reader looks the writer schema up by fingerprint in its :class:`SchemaStore` and
-reads the body into its own reader schema, following Avro's resolution rules. Arrays
-travel as ``Tensor`` records (dtype, shape, raw little-endian bytes) and become numpy
-arrays with ``np.frombuffer``: no per-element Python work.
+or, written with a schema registry (``--schema-registry``), Confluent's::
+
+    00 | 4-byte big-endian schema id | body
+
+Readers take both. The reader looks the writer schema up by fingerprint in its
+:class:`SchemaStore` (by id: through the store's registry, cached) and reads the body
+into its own reader schema, following Avro's resolution rules. Arrays travel as
+``Tensor`` records (dtype, shape, raw little-endian bytes) and become numpy arrays with
+``np.frombuffer``: no per-element Python work.
 
 Every failure to read raises :class:`~pipeline.errors.RecordDecodeError` with a stable
 ``reason``. Reading never allocates more than the input's size: length prefixes are
@@ -24,6 +29,7 @@ import numpy as np
 from fastavro import schemaless_reader
 
 from pipeline.errors import InvalidTrajectoryError, RecordDecodeError
+from pipeline.records import registry
 from pipeline.records.avro_binary import CompiledSchema
 from pipeline.records.schema_store import Schema, SchemaStore, default_store
 from pipeline.records.trajectory import Timings, Trajectory, Turn, VersionSpan, find_violation
@@ -109,44 +115,59 @@ class AvroCodec:
     def fingerprint(self) -> bytes:
         return self.schema.fingerprint
 
-    def encode(self, datum: Any) -> bytes:
-        return self._compiled.encode(datum, self._prefix)
+    def encode(self, datum: Any, framing: bytes | None = None) -> bytes:
+        """The record in single-object encoding, or after ``framing`` (the Confluent
+        header of a schema id, :func:`pipeline.records.registry.framing`)."""
+        return self._compiled.encode(datum, self._prefix if framing is None else framing)
 
     def decode(self, data: bytes | bytearray | memoryview) -> Any:
         data = bytes(data)
-        if not data or data[:2] != MARKER[: len(data[:2])]:
-            raise RecordDecodeError("bad_marker", "not Avro single-object encoding (no C3 01)")
-        if len(data) < HEADER_SIZE:
-            raise RecordDecodeError("truncated", f"{len(data)} bytes, shorter than the header")
-        if data[:HEADER_SIZE] == self._prefix:
-            record, end = self._compiled.decode(data, HEADER_SIZE)
+        if data[:1] == registry.MAGIC:
+            if len(data) < registry.HEADER_SIZE:
+                raise RecordDecodeError("truncated", f"{len(data)} bytes, shorter than the header")
+            writer = self._store.writer_by_id(registry.schema_id_of(data))
+            start = registry.HEADER_SIZE
+            if writer.fingerprint == self.schema.fingerprint:
+                return self._read(data, start)
         else:
-            record, end = self._compiled.decode(self._resolve(data), 0)
-            end = len(data)
+            if not data or data[:2] != MARKER[: len(data[:2])]:
+                raise RecordDecodeError(
+                    "bad_marker", "neither Avro single-object encoding (C3 01) nor a registry's 00"
+                )
+            if len(data) < HEADER_SIZE:
+                raise RecordDecodeError("truncated", f"{len(data)} bytes, shorter than the header")
+            if data[:HEADER_SIZE] == self._prefix:
+                return self._read(data, HEADER_SIZE)
+            fingerprint = data[2:HEADER_SIZE]
+            found = self._store.writer(fingerprint)
+            if found is None:
+                raise RecordDecodeError(
+                    "unknown_schema", f"writer schema fingerprint {fingerprint.hex()} is unknown"
+                )
+            writer, start = found, HEADER_SIZE
+        record, _ = self._compiled.decode(self._resolve(writer, data, start), 0)
+        return record
+
+    def _read(self, data: bytes, start: int) -> Any:
+        record, end = self._compiled.decode(data, start)
         if end != len(data):
             raise RecordDecodeError("trailing_bytes", f"{len(data) - end} bytes after the record")
         return record
 
-    def _resolve(self, data: bytes) -> bytes:
-        """Read a body written with another known schema version into the reader's
-        schema (Avro resolution, by fastavro) and return it in the reader's encoding."""
-        fingerprint = data[2:HEADER_SIZE]
-        writer = self._store.writer(fingerprint)
-        if writer is None:
-            raise RecordDecodeError(
-                "unknown_schema", f"writer schema fingerprint {fingerprint.hex()} is unknown"
-            )
+    def _resolve(self, writer: Schema, data: bytes, start: int) -> bytes:
+        """Read a body written with another schema version into the reader's schema
+        (Avro resolution, by fastavro) and return it in the reader's encoding."""
         if writer.name != self.schema.name:
             raise RecordDecodeError(
                 "unknown_schema", f"record is a {writer.name}, expected {self.schema.name}"
             )
         # Check the body with the writer's own compiled reader first: it bounds every
         # length prefix, which fastavro does not do for arrays and maps.
-        _, end = self._plain_codec(writer).decode(data, HEADER_SIZE)
+        _, end = self._plain_codec(writer).decode(data, start)
         if end != len(data):
             raise RecordDecodeError("trailing_bytes", f"{len(data) - end} bytes after the record")
         body = io.BytesIO(data)
-        body.seek(HEADER_SIZE)
+        body.seek(start)
         try:
             value = schemaless_reader(body, writer.parsed, self.schema.parsed)
         except Exception as e:  # resolution failures: a symbol or field the reader lacks
@@ -201,12 +222,17 @@ class TrajectoryCodec:
     def fingerprint(self) -> bytes:
         return self._avro.fingerprint
 
-    def encode(self, t: Trajectory) -> bytes:
+    @property
+    def schema(self) -> Schema:
+        return self._avro.schema
+
+    def encode(self, t: Trajectory, framing: bytes | None = None) -> bytes:
+        """The record, single-object encoded or after ``framing`` (a registry's header)."""
         violation = find_violation(t)
         if violation is not None:
             raise InvalidTrajectoryError(f"{violation[0]}: {violation[1]}")
         try:
-            return self._avro.encode(t)
+            return self._avro.encode(t, framing)
         except (TypeError, ValueError, OverflowError) as e:
             raise InvalidTrajectoryError(f"invalid: {e}") from None
 

@@ -18,6 +18,9 @@ from typing import Any
 from fastavro.schema import fingerprint as _fingerprint
 from fastavro.schema import parse_schema, to_parsing_canonical_form
 
+from pipeline.errors import RecordDecodeError
+from pipeline.records.registry import RegistryError, SchemaRegistry
+
 #: Schema files in dependency order (a file may use named types of the ones before it).
 SCHEMA_FILES = (
     "Tensor",
@@ -37,6 +40,9 @@ class Schema:
     name: str
     parsed: Any
     fingerprint: bytes
+    #: The schema as a standalone JSON document, with docs and defaults (what a schema
+    #: registry is given: its compatibility checks need the defaults).
+    text: str = ""
 
     @property
     def canonical_form(self) -> str:
@@ -59,7 +65,8 @@ def parse(schema_json: Mapping[str, Any], named: dict[str, Any] | None = None) -
     """Parse a schema (resolving named types in ``named``) into a :class:`Schema`."""
     named = {} if named is None else named
     parsed: Any = parse_schema(dict(schema_json), named_schemas=named)
-    return Schema(str(parsed["name"]), parsed, schema_fingerprint(parsed))
+    text = json.dumps(schema_json, separators=(",", ":"))
+    return Schema(str(parsed["name"]), parsed, schema_fingerprint(parsed), text)
 
 
 def expand_references(schema_json: Any, definitions: Mapping[str, Any]) -> Any:
@@ -122,6 +129,19 @@ class SchemaStore:
     def __init__(self) -> None:
         self._readers = _builtin()
         self._writers = {s.fingerprint: s for s in self._readers.values()}
+        self._registry: SchemaRegistry | None = None
+        self._by_id: dict[int, Schema] = {}
+
+    @property
+    def registry(self) -> SchemaRegistry | None:
+        """The schema registry records framed with a schema id are resolved through
+        (``--schema-registry``); None: such records are refused as ``unknown_schema``."""
+        return self._registry
+
+    @registry.setter
+    def registry(self, registry: SchemaRegistry | None) -> None:
+        self._registry = registry
+        self._by_id = {}  # ids mean something in one registry only
 
     def reader(self, name: str) -> Schema:
         full = name if "." in name else f"rlstream.{name}"
@@ -129,6 +149,37 @@ class SchemaStore:
 
     def writer(self, fingerprint: bytes) -> Schema | None:
         return self._writers.get(fingerprint)
+
+    def writer_by_id(self, schema_id: int) -> Schema:
+        """The writer schema of a Confluent-framed record, through the registry (cached).
+        Raises :class:`RecordDecodeError` (``unknown_schema``) when there is no registry,
+        when it has no such id, or when it does not answer."""
+        schema = self._by_id.get(schema_id)
+        if schema is not None:
+            return schema
+        if self._registry is None:
+            raise RecordDecodeError(
+                "unknown_schema",
+                f"the record is framed for a schema registry (schema id {schema_id}): "
+                "read it with --schema-registry URL",
+            )
+        try:
+            text = self._registry.schema_text(schema_id)
+        except RegistryError as e:
+            raise RecordDecodeError("unknown_schema", str(e)) from None
+        if text is None:
+            raise RecordDecodeError(
+                "unknown_schema", f"schema id {schema_id} is not in {self._registry!r}"
+            )
+        try:
+            schema = parse(json.loads(text))
+        except Exception as e:  # the registry holds something that is no Avro schema
+            raise RecordDecodeError(
+                "unknown_schema", f"schema id {schema_id} does not parse: {str(e)[:200]}"
+            ) from None
+        self._writers.setdefault(schema.fingerprint, schema)
+        self._by_id[schema_id] = schema
+        return schema
 
     def register(self, schema: Schema) -> None:
         """Know an extra writer schema (an older or newer version of a record)."""

@@ -99,6 +99,8 @@ class RolloutProducer:
             )
         self._rng = random.Random(cfg.seed)
         self._env_name = env_name(cfg.env, cfg.env_kwargs)
+        # with a schema registry: registered now, so a refused schema stops the start
+        self.writer.route(self._env_name)
         self._tasks: Environment | None = None
         self._failures_in_a_row = 0
         self.last_failure = ""

@@ -11,6 +11,7 @@ test's own, so what is installed is rlstream from the read-only source. The Kafk
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -20,6 +21,7 @@ import stat
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -81,14 +83,21 @@ def service(
 
 
 def test_every_rlstream_service_of_docker_compose_runs_as_written(
-    bootstrap: str, namespace: str, tmp_path: Path
+    bootstrap: str, namespace: str, schema_registry_url: str, tmp_path: Path
 ) -> None:
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     src = read_only_copy(tmp_path / "src")
     checkpoints = tmp_path / "checkpoints"
     checkpoints.mkdir()
     paths = {"/src": str(src), "/checkpoints": str(checkpoints)}
-    env = {"RLSTREAM_BOOTSTRAP": bootstrap, "RLSTREAM_NAMESPACE": namespace}
+    env = {
+        "RLSTREAM_BOOTSTRAP": bootstrap,
+        "RLSTREAM_NAMESPACE": namespace,
+        "RLSTREAM_SCHEMA_REGISTRY": schema_registry_url,
+    }
+    assert compose["services"]["trainer"]["environment"]["RLSTREAM_SCHEMA_REGISTRY"].startswith(
+        "http://registry:8080/"
+    )
     assert compose["services"]["topics"]["environment"]["RLSTREAM_NAMESPACE"] == "compose"
 
     # the topics service: a one-shot that installs rlstream and creates the topics
@@ -147,3 +156,8 @@ def test_every_rlstream_service_of_docker_compose_runs_as_written(
     assert any((checkpoints / "weights").iterdir())
     for name in names[1:]:
         assert "weights loaded version=" in (logs / f"{name}.log").read_text()
+    # the producers registered the rollouts topic's subject: the trainer read (and
+    # trained on) records in Confluent's wire format
+    subject = f"{schema_registry_url}/subjects/{namespace}.rollouts.guess-value/versions/latest"
+    with urllib.request.urlopen(subject, timeout=10) as answer:
+        assert json.loads(answer.read())["id"] >= 1

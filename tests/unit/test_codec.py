@@ -201,9 +201,20 @@ def test_truncated_bytes(codec: TrajectoryCodec, good: bytes) -> None:
 
 def test_wrong_marker_and_trailing_bytes(codec: TrajectoryCodec, good: bytes) -> None:
     assert _reason(codec, b"") == "bad_marker"
-    assert _reason(codec, b"\x00\x01" + good[2:]) == "bad_marker"
+    assert _reason(codec, b"\x01\x01" + good[2:]) == "bad_marker"
+    assert _reason(codec, b"\xc3\x02" + good[2:]) == "bad_marker"
     assert _reason(codec, b'{"json": true}') == "bad_marker"
     assert _reason(codec, good + b"\x00") == "trailing_bytes"
+
+
+def test_registry_framing_without_a_registry_is_refused_naming_the_flag(
+    codec: TrajectoryCodec, good: bytes
+) -> None:
+    for framed in (b"\x00", b"\x00\x00\x00\x01", b"\x00\x00\x00\x00\x07" + good[10:]):
+        with pytest.raises(RecordDecodeError) as e:
+            codec.decode(framed)
+        assert e.value.reason == ("truncated" if len(framed) < 5 else "unknown_schema")
+    assert "schema id 7" in str(e.value) and "--schema-registry" in str(e.value)
 
 
 def test_unknown_fingerprint(codec: TrajectoryCodec, good: bytes) -> None:

@@ -1,0 +1,212 @@
+"""Against a real broker and a real schema registry (Apicurio Registry, started by the
+test run): records framed in Confluent's wire format, read by confluent-kafka's own Avro
+deserializer, by rlstream's readers with the registry, and refused without it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from typing import Any
+
+import numpy as np
+import pytest
+from confluent_kafka import Consumer
+from confluent_kafka.schema_registry import SchemaRegistryClient
+from confluent_kafka.schema_registry.avro import AvroDeserializer
+from confluent_kafka.serialization import MessageField, SerializationContext
+
+from pipeline.kafka.client import KafkaConfig
+from pipeline.kafka.topics import ensure_topics, namespace_topics, rollout_topic
+from pipeline.kafka.transport import Decoded, Rejected, TrajectoryReader, TrajectoryWriter
+from pipeline.records.registry import RegistryConfig, RegistryError, SchemaRegistry
+from pipeline.records.schema_store import default_store
+from pipeline.records.trajectory import Trajectory
+from pipeline.testing import make_trajectory
+
+pytestmark = pytest.mark.integration
+
+
+def _subject(url: str, subject: str) -> Any:
+    with urllib.request.urlopen(f"{url}/subjects/{subject}/versions/latest", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def _compatibility(url: str, subject: str) -> str:
+    with urllib.request.urlopen(f"{url}/config/{subject}", timeout=10) as r:
+        return str(json.loads(r.read())["compatibilityLevel"])
+
+
+def _write(kafka: KafkaConfig, namespace: str, n: int) -> tuple[TrajectoryWriter, list[Trajectory]]:
+    ensure_topics(kafka, namespace_topics(namespace, ["math"], 1))
+    writer = TrajectoryWriter(kafka, namespace)
+    sent = []
+    rng = np.random.default_rng(3)
+    for i in range(n):
+        t = make_trajectory(
+            300, rng=rng, env="math", group_id="g0", group_size=n, group_index=i, versions=(2, 5)
+        )
+        writer.write(t)
+        sent.append(t)
+    writer.flush()
+    return writer, sent
+
+
+def _same(got: Trajectory, want: Trajectory) -> None:
+    for f in dataclasses.fields(Trajectory):
+        a, b = getattr(got, f.name), getattr(want, f.name)
+        if isinstance(a, np.ndarray):
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), f.name
+        elif isinstance(a, (list, tuple)):
+            assert list(a) == list(b), f.name
+        else:
+            assert a == b, f.name
+
+
+def test_confluent_kafkas_own_deserializer_reads_every_field(
+    kafka: KafkaConfig, namespace: str, schema_registry: SchemaRegistry, schema_registry_url: str
+) -> None:
+    _, sent = _write(kafka, namespace, 4)
+    topic = rollout_topic(namespace, "math")
+    subject = f"{topic}-value"
+    registered = _subject(schema_registry_url, subject)
+    assert json.loads(registered["schema"])["name"] == "Trajectory"
+    assert _compatibility(schema_registry_url, subject) == "BACKWARD"
+
+    client = SchemaRegistryClient({"url": schema_registry_url})
+    deserializer = AvroDeserializer(client)
+    consumer = Consumer(
+        {
+            "bootstrap.servers": kafka.bootstrap,
+            "group.id": f"{namespace}.confluent",
+            "auto.offset.reset": "earliest",
+        }
+    )
+    consumer.subscribe([topic])
+    values: list[dict[str, Any]] = []
+    raw: list[bytes] = []
+    try:
+        while len(values) < len(sent):
+            msg = consumer.poll(30)
+            assert msg is not None, "records did not arrive"
+            assert msg.error() is None, msg.error()
+            raw.append(msg.value())
+            values.append(
+                deserializer(msg.value(), SerializationContext(topic, MessageField.VALUE))
+            )
+    finally:
+        consumer.close()
+    assert {v[:5] for v in raw} == {b"\x00" + registered["id"].to_bytes(4, "big")}
+    for value, want in zip(values, sent, strict=True):
+        for name in ("tokens", "loss_mask", "logprobs"):
+            array = getattr(want, name)
+            assert value[name]["dtype"] == str(array.dtype)
+            assert value[name]["shape"] == list(array.shape)
+            assert value[name]["data"] == array.tobytes()
+        assert value["version_spans"] == [s._asdict() for s in want.version_spans]
+        assert value["turns"] == [t._asdict() for t in want.turns]
+        assert value["timings"] == want.timings._asdict()
+        for name in (
+            "trajectory_id",
+            "group_id",
+            "group_size",
+            "group_index",
+            "task_id",
+            "producer_id",
+            "env",
+            "tokenizer_id",
+            "reward",
+            "status",
+        ):
+            assert value[name] == getattr(want, name), name
+        assert value["rewards"] == dict(want.rewards)
+        assert value["metadata"] == dict(want.metadata)
+
+    # rlstream's own reader resolves the id through the registry
+    reader = TrajectoryReader(kafka, [topic], f"{namespace}.trainer")
+    got = reader.read(len(sent))
+    reader.close()
+    assert all(isinstance(r, Decoded) for r in got)
+    by_id = {r.trajectory.trajectory_id: r.trajectory for r in got if isinstance(r, Decoded)}
+    for want in sent:
+        _same(by_id[want.trajectory_id], want)
+
+
+def test_without_the_registry_framed_records_are_refused_not_fatal(
+    kafka: KafkaConfig, namespace: str, schema_registry: SchemaRegistry
+) -> None:
+    _write(kafka, namespace, 2)
+    store = default_store()
+    store.registry = None
+    reader = TrajectoryReader(kafka, [rollout_topic(namespace, "math")], f"{namespace}.t")
+    got = reader.read(2)
+    reader.close()
+    assert all(isinstance(r, Rejected) and r.error.reason == "unknown_schema" for r in got)
+    assert "--schema-registry" in str(got[0].error)  # type: ignore[union-attr]
+
+    # a registry that does not answer: refused with the reason, nothing raised
+    store.registry = SchemaRegistry(RegistryConfig("http://127.0.0.1:9/apis/ccompat/v7", None))
+    reader = TrajectoryReader(kafka, [rollout_topic(namespace, "math")], f"{namespace}.u")
+    got = reader.read(2)
+    reader.close()
+    assert all(isinstance(r, Rejected) and r.error.reason == "unknown_schema" for r in got)
+    assert "did not answer" in str(got[0].error)  # type: ignore[union-attr]
+
+
+def test_a_producer_whose_schema_the_registry_refuses_stops_at_start(
+    bootstrap: str, namespace: str, schema_registry_url: str
+) -> None:
+    topic = rollout_topic(namespace, "guess")
+    registry = SchemaRegistry(RegistryConfig(schema_registry_url))
+    incompatible = {
+        "type": "record",
+        "name": "Trajectory",
+        "namespace": "rlstream",
+        "fields": [{"name": "only", "type": "int"}],
+    }
+    registry.register(f"{topic}-value", json.dumps(incompatible))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "produce",
+            "--bootstrap",
+            bootstrap,
+            "--namespace",
+            namespace,
+            "--env",
+            "guess",
+            "--max-episodes",
+            "4",
+            "--schema-registry",
+            schema_registry_url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, RLSTREAM_DEBUG=""),
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    error = [line for line in proc.stderr.splitlines() if line.startswith("rlstream:")]
+    assert len(error) == 1, proc.stderr
+    assert f"subject {topic}-value" in error[0] and "HTTP 409" in error[0]
+    assert "Incompatible" in error[0] or "incompatible" in error[0]
+
+
+def test_registry_answers_are_checked(schema_registry_url: str) -> None:
+    registry = SchemaRegistry(RegistryConfig(schema_registry_url))
+    assert registry.schema_text(2**30) is None  # no such id: None, remembered
+    before = registry.requests
+    assert registry.schema_text(2**30) is None and registry.requests == before
+    with pytest.raises(RegistryError, match="HTTP 4"):
+        registry.register("rlstream-test-bad-value", "{not json")
+    with pytest.raises(RegistryError, match="did not answer"):
+        SchemaRegistry(RegistryConfig("http://127.0.0.1:9")).schema_text(1)
+    with pytest.raises(RegistryError, match="http"):
+        RegistryConfig("ftp://example")
+    with pytest.raises(RegistryError, match="both"):
+        RegistryConfig("http://x", username="u")
