@@ -87,7 +87,7 @@ def schema_registry_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[st
     from pipeline.kafka.registry_server import LocalRegistry, RegistryServerConfig
 
     server = LocalRegistry(
-        RegistryServerConfig(data_dir=tmp_path_factory.mktemp("registry"), port=free_port_pair(1))
+        RegistryServerConfig(data_dir=tmp_path_factory.mktemp("registry"), port=free_port_pair(2))
     )
     server.start()
     try:

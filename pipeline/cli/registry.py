@@ -32,7 +32,8 @@ def register(sub: Any) -> None:
         "--port",
         type=int,
         default=int(env_default("RLSTREAM_REGISTRY_PORT", "8081") or 8081),
-        help="HTTP port on 127.0.0.1 (env RLSTREAM_REGISTRY_PORT)",
+        help="HTTP port on 127.0.0.1; health and metrics on the next one "
+        "(env RLSTREAM_REGISTRY_PORT)",
     )
     add_json_arg(p)
     p.set_defaults(func=cmd_registry)

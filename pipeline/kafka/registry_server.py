@@ -3,11 +3,11 @@
 ``LocalRegistry(RegistryServerConfig(...)).start()`` fetches Apicurio Registry's Quarkus
 distribution from Maven Central once (``io.apicurio:apicurio-registry-app``, classifier
 ``all``, a tar.gz, into ``infra/registry``), finds a Java 21 or newer, and runs it bound
-to 127.0.0.1 only (the management port switched off), storing schemas in an H2 database
-file under the data directory, so ids survive a restart as the records that carry them
-do. Clients use its Confluent-compatible API at ``<url>`` = ``http://127.0.0.1:PORT/apis/ccompat/v7``.
-Its state (pid, port, url) lives in ``<data_dir>/registry.json`` for ``stop`` and
-``status`` from another process.
+to 127.0.0.1 only (its API on ``port``, health and metrics on ``port + 1``), storing
+schemas in an H2 database file under the data directory, so ids survive a restart as
+the records that carry them do. Clients use its Confluent-compatible API at
+``http://127.0.0.1:PORT/apis/ccompat/v7``. Its state (pid, port, url) lives in
+``<data_dir>/registry.json`` for ``stop`` and ``status`` from another process.
 """
 
 from __future__ import annotations
@@ -127,10 +127,12 @@ class LocalRegistry:
         if state and _alive(int(state["pid"])):
             self._wait_ready(state)
             return state
-        if not _port_free("127.0.0.1", self.config.port):
-            raise BrokerError(
-                f"port {self.config.port} is taken: start the registry on another with --port"
-            )
+        for port in (self.config.port, self.config.port + 1):
+            if not _port_free("127.0.0.1", port):
+                raise BrokerError(
+                    f"port {port} is taken: start the registry on another with --port "
+                    "(it takes PORT and PORT+1)"
+                )
         java = find_java(JAVA_MINIMUM, "to run Apicurio Registry")
         dist = ensure_distribution(registry_home())
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -140,7 +142,10 @@ class LocalRegistry:
             f"-Xmx{self.config.heap}",
             "-Dquarkus.http.host=127.0.0.1",
             f"-Dquarkus.http.port={self.config.port}",
-            "-Dquarkus.management.enabled=false",
+            # health and metrics (a build-time feature that cannot be switched off) on
+            # the next port, also on loopback only
+            "-Dquarkus.management.host=127.0.0.1",
+            f"-Dquarkus.management.port={self.config.port + 1}",
             f"-Dapicurio.datasource.url=jdbc:h2:file:{self.data_dir / 'h2' / 'registry'}",
             "-Dapicurio.storage.snapshot.location=" + str(self.data_dir),
             "-Djava.io.tmpdir=" + str(self.data_dir),

@@ -23,7 +23,7 @@ from pipeline.kafka.client import KafkaConfig
 from pipeline.kafka.topics import ensure_topics, namespace_topics, rollout_topic
 from pipeline.kafka.transport import Decoded, Rejected, TrajectoryReader, TrajectoryWriter
 from pipeline.records.registry import RegistryConfig, RegistryError, SchemaRegistry
-from pipeline.records.schema_store import default_store
+from pipeline.records.schema_store import default_store, parse
 from pipeline.records.trajectory import Trajectory
 from pipeline.testing import make_trajectory
 
@@ -210,3 +210,69 @@ def test_registry_answers_are_checked(schema_registry_url: str) -> None:
         RegistryConfig("ftp://example")
     with pytest.raises(RegistryError, match="both"):
         RegistryConfig("http://x", username="u")
+
+
+def _listening(pid: int) -> set[tuple[str, int]]:
+    """The (address, port) of every TCP socket ``pid`` listens on, from /proc."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table in ("tcp", "tcp6"):
+        for line in open(f"/proc/net/{table}").read().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                addr, port = cols[1].split(":")
+                raw = bytes.fromhex(addr)
+                if table == "tcp":
+                    text = ".".join(str(b) for b in raw[::-1])
+                else:  # four little-endian 32-bit words
+                    words = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
+                    text = (
+                        ".".join(str(b) for b in words[12:])
+                        if words[:12] == b"\0" * 10 + b"\xff\xff"
+                        else words.hex()
+                    )
+                found.add((text, int(port, 16)))
+    return found
+
+
+@pytest.mark.slow
+def test_registry_start_binds_loopback_only_and_keeps_ids_across_a_restart(
+    tmp_path: Any,
+) -> None:
+    from tests.conftest import free_port_pair
+
+    port = free_port_pair(2)
+    base = [sys.executable, "-m", "pipeline.cli", "registry"]
+    where = ["--data-dir", str(tmp_path / "reg"), "--port", str(port), "--json"]
+
+    def cli(action: str) -> tuple[int, dict[str, Any]]:
+        done = subprocess.run([*base, action, *where], capture_output=True, text=True, timeout=300)
+        return done.returncode, json.loads(done.stdout.strip().splitlines()[-1])
+
+    rc, state = cli("start")
+    try:
+        assert rc == 0 and state["url"] == f"http://127.0.0.1:{port}/apis/ccompat/v7"
+        listening = _listening(state["pid"])
+        assert {p for _, p in listening} == {port, port + 1}, listening
+        assert {a for a, _ in listening} == {"127.0.0.1"}, listening
+        registry = SchemaRegistry(RegistryConfig(state["url"]))
+        schema = default_store().reader("Trajectory")
+        schema_id = registry.register("restart-value", schema.text)
+        assert cli("start")[1]["already_running"] is True
+        assert cli("stop") == (0, {"stopped": True})
+        assert cli("status")[0] == 3
+        rc, state = cli("start")
+        assert rc == 0
+        text = SchemaRegistry(RegistryConfig(state["url"])).schema_text(schema_id)
+        assert text is not None and parse(json.loads(text)).fingerprint == schema.fingerprint
+        rc, status = cli("status")
+        assert rc == 0 and status["answering"] is True
+    finally:
+        cli("stop")
