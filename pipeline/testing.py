@@ -22,6 +22,7 @@ from pipeline.records.trajectory import (
     Timings,
     Trajectory,
     Turn,
+    Turns,
     VersionSpan,
 )
 
@@ -75,7 +76,7 @@ def make_trajectory(
         loss_mask=mask,
         logprobs=logprobs,
         version_spans=spans,
-        turns=tuple(turn_list),
+        turns=Turns.of(turn_list),
         reward=float(rng.random()) if reward is None else reward,
         rewards={"correct": 1.0},
         status="ok",

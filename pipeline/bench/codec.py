@@ -1,6 +1,7 @@
 """``rlstream bench codec``: encode+decode of one trajectory, records/s, side by side.
 
-Contenders, all on the same 4,096-token trajectory:
+Contenders, all on the same 4,096-token trajectory of 8 turns (and again of 32 turns,
+figures suffixed ``_32_turns``):
 
 - ``rlstream``: :class:`TrajectoryCodec` (single-object Avro, arrays as Tensor bytes,
   with validation on both ends);
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import io
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -23,9 +25,18 @@ from pipeline.bench._timing import rates
 from pipeline.launch.cluster import Cluster
 from pipeline.records.codec import TrajectoryCodec, to_avro_dict
 from pipeline.records.schema_store import default_store
+from pipeline.records.trajectory import Trajectory
 from pipeline.testing import make_trajectory
 
-ARRAY_FIELDS = {"tokens": "int", "loss_mask": "int", "logprobs": "float"}
+ARRAY_FIELDS = {
+    "tokens": ("int", np.int32),
+    "loss_mask": ("int", np.uint8),
+    "logprobs": ("float", np.float32),
+    "turn_roles": ("int", np.uint8),
+    "turn_starts": ("int", np.int32),
+    "turn_ends": ("int", np.int32),
+    "turn_latency_s": ("double", np.float64),
+}
 
 
 def avro_arrays_schema() -> Any:
@@ -36,64 +47,62 @@ def avro_arrays_schema() -> Any:
     fields = []
     for f in schema["fields"]:
         if f["name"] in ARRAY_FIELDS:
-            f = {"name": f["name"], "type": {"type": "array", "items": ARRAY_FIELDS[f["name"]]}}
+            items = ARRAY_FIELDS[f["name"]][0]
+            f = {"name": f["name"], "type": {"type": "array", "items": items}}
         fields.append(f)
     schema["fields"] = fields
     return parse_schema(schema)
 
 
-def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
-    t = make_trajectory(args.tokens, rng=np.random.default_rng(0))
+def _contenders(t: Trajectory) -> tuple[dict[str, Callable[[], object]], dict[str, int]]:
     codec = TrajectoryCodec()
-    encoded = codec.encode(t)
-    pickled = pickle.dumps(t, protocol=5)
     schema = avro_arrays_schema()
 
-    def avro_arrays() -> None:
+    def as_arrays() -> dict[str, Any]:
         d = to_avro_dict(t)
         for name in ARRAY_FIELDS:
-            d[name] = getattr(t, name).tolist()
+            d[name] = np.frombuffer(d[name]["data"], ARRAY_FIELDS[name][1]).tolist()
+        return d
+
+    def avro_arrays() -> None:
         buf = io.BytesIO()
-        schemaless_writer(buf, schema, d)
+        schemaless_writer(buf, schema, as_arrays())
         buf.seek(0)
         back: Any = schemaless_reader(buf, schema, None)
-        for name, dtype in (
-            ("tokens", np.int32),
-            ("loss_mask", np.uint8),
-            ("logprobs", np.float32),
-        ):
+        for name, (_, dtype) in ARRAY_FIELDS.items():
             back[name] = np.asarray(back[name], dtype=dtype)
 
     buf = io.BytesIO()
-    d = to_avro_dict(t)
-    for name in ARRAY_FIELDS:
-        d[name] = getattr(t, name).tolist()
-    schemaless_writer(buf, schema, d)
+    schemaless_writer(buf, schema, as_arrays())
+    sizes = {
+        "rlstream": len(codec.encode(t)),
+        "pickle": len(pickle.dumps(t, protocol=5)),
+        "avro_arrays": len(buf.getvalue()),
+    }
+    contenders = {
+        "rlstream": lambda: codec.decode(codec.encode(t)),
+        "pickle": lambda: pickle.loads(pickle.dumps(t, protocol=5)),
+        "avro_arrays": avro_arrays,
+    }
+    return contenders, sizes
 
-    r = rates(
-        {
-            "rlstream": lambda: codec.decode(codec.encode(t)),
-            "pickle": lambda: pickle.loads(pickle.dumps(t, protocol=5)),
-            "avro_arrays": avro_arrays,
-        },
-        args.seconds or 2.0,
-        args.rounds,
-    )
+
+def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
+    figures: dict[str, Any] = {"tokens": args.tokens}
+    ratios: dict[str, float] = {}
+    for turns, suffix in ((8, ""), (32, "_32_turns")):
+        t = make_trajectory(args.tokens, rng=np.random.default_rng(0), turns=turns)
+        contenders, sizes = _contenders(t)
+        r = rates(contenders, args.seconds or 2.0, args.rounds)
+        for name in contenders:
+            figures[f"{name}_records_per_s{suffix}"] = r[name]
+            figures[f"{name}_bytes{suffix}"] = sizes[name]
+        figures[f"rlstream_us_per_record{suffix}"] = 1e6 / r["rlstream"]
+        ratios[f"vs_pickle{suffix}"] = r["rlstream"] / r["pickle"]
+        ratios[f"vs_avro_arrays{suffix}"] = r["rlstream"] / r["avro_arrays"]
     return {
         "bench": "codec",
-        "figures": {
-            "tokens": args.tokens,
-            "rlstream_records_per_s": r["rlstream"],
-            "pickle_records_per_s": r["pickle"],
-            "avro_arrays_records_per_s": r["avro_arrays"],
-            "rlstream_us_per_record": 1e6 / r["rlstream"],
-            "rlstream_bytes": len(encoded),
-            "pickle_bytes": len(pickled),
-            "avro_arrays_bytes": len(buf.getvalue()),
-        },
-        "ratios": {
-            "vs_pickle": r["rlstream"] / r["pickle"],
-            "vs_avro_arrays": r["rlstream"] / r["avro_arrays"],
-        },
+        "figures": figures,
+        "ratios": ratios,
         "goals": {"vs_pickle": ">= 1.5", "vs_avro_arrays": ">= 100"},
     }

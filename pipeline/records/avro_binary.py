@@ -7,8 +7,11 @@ type, every primitive inlined, one-byte integers on a fast path).
 
 Named record types can be mapped to Python types both ways: ``adapters[name](obj)``
 returns the field values to write, in schema order, and ``factories[name](*values)``
-builds the object read. Records are otherwise written from dicts, tuples in field order,
-or objects with attributes named like the fields, and read as dicts.
+builds the object read. ``shortcuts[name]`` is a pair of hand-written functions tried
+first for the common shape of a type (``writer(out, obj) -> bool``, ``reader(buf, pos)
+-> (obj, pos) | None``): when they decline, the generated code runs. Records are
+otherwise written from dicts, tuples in field order, or objects with attributes named
+like the fields, and read as dicts.
 
 The reader is defensive: every length and count prefix is checked against the bytes that
 are left, so corrupt input fails fast with :class:`RecordDecodeError` and never
@@ -117,8 +120,9 @@ class CompiledSchema:
         canonical_form: str,
         adapters: Mapping[str, Callable[[Any], tuple[Any, ...]]] | None = None,
         factories: Mapping[str, Callable[..., Any]] | None = None,
+        shortcuts: Mapping[str, tuple[Callable[..., Any], Callable[..., Any]]] | None = None,
     ) -> None:
-        gen = _Generator(dict(adapters or {}), dict(factories or {}))
+        gen = _Generator(dict(adapters or {}), dict(factories or {}), dict(shortcuts or {}))
         top = gen.named_type(json.loads(canonical_form))
         namespace = dict(_HELPERS, **gen.env)
         exec(compile("\n".join(gen.source), f"<avro {top}>", "exec"), namespace)
@@ -150,9 +154,12 @@ class _Generator:
     """Emits one writer ``w_<T>(out, d)`` and one reader ``r_<T>(buf, pos)`` per named
     type; everything else is inlined into them."""
 
-    def __init__(self, adapters: dict[str, Any], factories: dict[str, Any]) -> None:
+    def __init__(
+        self, adapters: dict[str, Any], factories: dict[str, Any], shortcuts: dict[str, Any]
+    ) -> None:
         self.adapters = adapters
         self.factories = factories
+        self.shortcuts = shortcuts
         self.env: dict[str, Any] = {}
         self.source: list[str] = []
         self.ids: dict[str, str] = {}
@@ -181,6 +188,12 @@ class _Generator:
         names = tuple(f["name"] for f in s["fields"])
         fields = [self.tmp("f") for _ in names]
         w = [f"def w_{ident}(out, d):"]
+        r = [f"def r_{ident}(buf, pos):"]
+        shortcut = self.shortcuts.get(s["name"])
+        if shortcut is not None:  # (writer(out, d) -> handled, reader(buf, pos) -> (v, pos) | None)
+            self.env[f"_sw_{ident}"], self.env[f"_sr_{ident}"] = shortcut
+            w.append(f"    if _sw_{ident}(out, d): return")
+            r += [f"    _v = _sr_{ident}(buf, pos)", "    if _v is not None: return _v"]
         adapter = self.adapters.get(s["name"])
         if adapter is not None:
             self.env[f"_ad_{ident}"] = adapter
@@ -192,7 +205,6 @@ class _Generator:
             w.append(f"        {', '.join(fields)}, = d")
             w.append("    else:")
             w += [f"        {v} = d.{n}" for v, n in zip(fields, names, strict=True)]
-        r = [f"def r_{ident}(buf, pos):"]
         for f, v in zip(s["fields"], fields, strict=True):
             w += self.write(f["type"], v, "    ")
             r += self.read(f["type"], v, "    ")
@@ -247,8 +259,13 @@ class _Generator:
     def write(self, s: Any, v: str, ind: str) -> list[str]:
         kind = s if isinstance(s, str) else s["type"] if isinstance(s, dict) else "union"
         if isinstance(s, str) and s in self.ids:
-            return [f"{ind}w_{self.ids[s]}(out, {v})"]
-        if kind in ("record", "enum", "fixed"):
+            ident = self.ids[s]
+            if f"_sym_{ident}" in self.env:
+                return self._write_enum(ident, v, ind)
+            return [f"{ind}w_{ident}(out, {v})"]
+        if kind == "enum":
+            return self._write_enum(self.named_type(s), v, ind)
+        if kind in ("record", "fixed"):
             return [f"{ind}w_{self.named_type(s)}(out, {v})"]
         if kind == "null":
             return [f"{ind}if {v} is not None: raise TypeError('null field given a value')"]
@@ -267,7 +284,13 @@ class _Generator:
             return [f"{ind}out += _pack_d({v})"]
         if kind in ("bytes", "string"):
             b = self.tmp("b")
-            conv = f"{v}.encode('utf-8')" if kind == "string" else v
+            # a bytes default is a JSON string of code points 0-255 (Avro specification),
+            # which fastavro's resolution hands over as it is
+            conv = (
+                f"{v}.encode('utf-8')"
+                if kind == "string"
+                else f"{v}.encode('latin-1') if type({v}) is str else {v}"
+            )
             return [
                 f"{ind}{b} = {conv}",
                 f"{ind}if len({b}) < 64: out.append(len({b}) << 1)",
@@ -275,19 +298,23 @@ class _Generator:
                 f"{ind}out += {b}",
             ]
         if kind == "array":
-            x = self.tmp("x")
+            x, c = self.tmp("x"), self.tmp("c")
             return [
-                f"{ind}if len({v}):",
-                f"{ind}    _wlong(out, len({v}))",
+                f"{ind}{c} = len({v})",
+                f"{ind}if {c}:",
+                f"{ind}    if {c} < 64: out.append({c} << 1)",
+                f"{ind}    else: _wlong(out, {c})",
                 f"{ind}    for {x} in {v}:",
                 *self.write(s["items"], x, ind + "        "),
                 f"{ind}out.append(0)",
             ]
         if kind == "map":
-            k, x = self.tmp("k"), self.tmp("x")
+            k, x, c = self.tmp("k"), self.tmp("x"), self.tmp("c")
             return [
-                f"{ind}if len({v}):",
-                f"{ind}    _wlong(out, len({v}))",
+                f"{ind}{c} = len({v})",
+                f"{ind}if {c}:",
+                f"{ind}    if {c} < 64: out.append({c} << 1)",
+                f"{ind}    else: _wlong(out, {c})",
                 f"{ind}    for {k}, {x} in {v}.items():",
                 *self.write("string", k, ind + "        "),
                 *self.write(s["values"], x, ind + "        "),
@@ -369,6 +396,14 @@ class _Generator:
                 f"{ind}else: _bad_enum('union', {i})",
             ]
         raise ValueError(f"unsupported Avro type {kind!r}")
+
+    def _write_enum(self, ident: str, v: str, ind: str) -> list[str]:
+        i = self.tmp("i")
+        return [
+            f"{ind}{i} = _idx_{ident}.get({v})",
+            f"{ind}if {i} is None: _bad_symbol(_name_{ident}, {v})",
+            f"{ind}out.append({i} << 1) if {i} < 64 else _wlong(out, {i})",
+        ]
 
     def _read_enum(self, ident: str, v: str, ind: str) -> list[str]:
         count = len(self.env[f"_sym_{ident}"])

@@ -30,9 +30,16 @@ from fastavro import schemaless_reader
 
 from pipeline.errors import InvalidTrajectoryError, RecordDecodeError
 from pipeline.records import registry
-from pipeline.records.avro_binary import CompiledSchema
+from pipeline.records.avro_binary import CompiledSchema, read_long, write_long
 from pipeline.records.schema_store import Schema, SchemaStore, default_store
-from pipeline.records.trajectory import Timings, Trajectory, Turn, VersionSpan, find_violation
+from pipeline.records.trajectory import (
+    Timings,
+    Trajectory,
+    Turn,
+    Turns,
+    VersionSpan,
+    find_violation,
+)
 
 MARKER = b"\xc3\x01"
 HEADER_SIZE = len(MARKER) + 8
@@ -66,6 +73,8 @@ def tensor_from_avro(dtype_name: str, shape: list[int], data: bytes) -> np.ndarr
     non-negative dimensions whose non-zero ones multiply to at most ``2**31`` (so an
     empty ``[2**62, 0]`` tensor is refused here instead of overflowing numpy)."""
     dtype = DTYPES[dtype_name]
+    if len(shape) == 1 and 0 <= shape[0] * dtype.itemsize == len(data):  # the usual case
+        return np.frombuffer(data, dtype=dtype)
     count, extent = 1, 1
     for d in shape[: MAX_TENSOR_DIMS + 1]:
         if d < 0:
@@ -102,10 +111,11 @@ class AvroCodec:
         *,
         adapters: Mapping[str, Callable[[Any], tuple[Any, ...]]] | None = None,
         factories: Mapping[str, Callable[..., Any]] | None = None,
+        shortcuts: Mapping[str, tuple[Callable[..., Any], Callable[..., Any]]] | None = None,
     ) -> None:
         self._store = store or default_store()
         self.schema: Schema = self._store.reader(record)
-        self._compiled = CompiledSchema(self.schema.canonical_form, adapters, factories)
+        self._compiled = CompiledSchema(self.schema.canonical_form, adapters, factories, shortcuts)
         # plain (dict) codecs of other writer versions and of the reader, compiled once:
         # only records written with another schema version need them
         self._plain: dict[bytes, CompiledSchema] = {}
@@ -187,13 +197,134 @@ class AvroCodec:
         return codec
 
 
+#: the element types in the order of the Tensor schema's Dtype symbols
+_DTYPE_LIST = tuple(
+    DTYPES[name] for name in default_store().reader("Tensor").parsed["fields"][0]["type"]["symbols"]
+)
+_DTYPE_INDEX = {dt: i for i, dt in enumerate(_DTYPE_LIST)}
+
+
+def _write_tensor_1d(out: bytearray, d: Any) -> bool:
+    """A 1-D C-ordered array in the Tensor encoding without building its fields (False:
+    not such an array, the generic writer takes it)."""
+    if type(d) is not np.ndarray or d.ndim != 1 or not d.flags.c_contiguous:
+        return False
+    i = _DTYPE_INDEX.get(d.dtype)
+    if i is None:
+        return False
+    out.append(i << 1)
+    out.append(2)  # one block of one dimension
+    write_long(out, d.shape[0])
+    out.append(0)
+    write_long(out, d.nbytes)
+    out += d.data.cast("B")
+    return True
+
+
+def _read_tensor_1d(buf: bytes, pos: int) -> tuple[np.ndarray, int] | None:
+    """A 1-D Tensor as a read-only array over ``buf`` itself (no copy), or None for any
+    other shape or encoding, which the generic reader then checks and reads."""
+    code = buf[pos]
+    if code & 1 or code >= 2 * len(_DTYPE_LIST) or buf[pos + 1] != 2:
+        return None
+    dim, p = read_long(buf, pos + 2)
+    if buf[p] != 0 or dim < 0:
+        return None
+    size, p = read_long(buf, p + 1)
+    dtype = _DTYPE_LIST[code >> 1]
+    if size != dim * dtype.itemsize or size > len(buf) - p:
+        return None
+    return np.frombuffer(buf, dtype, dim, p), p + size
+
+
 def _tensor_fields(d: Any) -> tuple[Any, ...]:
+    if type(d) is np.ndarray and d.ndim == 1 and d.flags.c_contiguous:  # the usual case
+        name = _DTYPE_NAMES.get(d.dtype)
+        if name is not None:
+            return name, d.shape, d.data.cast("B")
     if isinstance(d, np.ndarray):
         name = _DTYPE_NAMES.get(d.dtype.newbyteorder("<") if d.dtype.byteorder == ">" else d.dtype)
         if name is None:
             raise InvalidTrajectoryError(f"dtype {d.dtype} cannot be stored in a Tensor")
         return name, d.shape, np.ascontiguousarray(d, dtype=DTYPES[name]).tobytes()
     return d["dtype"], d["shape"], d["data"]
+
+
+def _trajectory_fields(t: Trajectory) -> tuple[Any, ...]:
+    """The values of a version-2 record: the turns as columns, the old array empty."""
+    turns = t.turns if type(t.turns) is Turns else Turns.of(t.turns)
+    return (
+        t.trajectory_id,
+        t.group_id,
+        t.group_size,
+        t.group_index,
+        t.task_id,
+        t.producer_id,
+        t.env,
+        t.tokenizer_id,
+        t.tokens,
+        t.loss_mask,
+        t.logprobs,
+        t.version_spans,
+        (),
+        turns.roles,
+        turns.starts,
+        turns.ends,
+        turns.latency_s,
+        turns.tool_names,
+        t.reward,
+        t.rewards,
+        t.status,
+        t.timings,
+        t.metadata,
+    )
+
+
+def _trajectory(
+    trajectory_id: str,
+    group_id: str,
+    group_size: int,
+    group_index: int,
+    task_id: str,
+    producer_id: str,
+    env: str,
+    tokenizer_id: str,
+    tokens: np.ndarray,
+    loss_mask: np.ndarray,
+    logprobs: np.ndarray,
+    version_spans: list[VersionSpan],
+    turns: list[Turn],
+    roles: np.ndarray,
+    starts: np.ndarray,
+    ends: np.ndarray,
+    latency_s: np.ndarray,
+    tool_names: list[str],
+    *rest: Any,
+) -> Trajectory:
+    """A trajectory from a version-2 record's values (turns from whichever form holds
+    them: a version-1 record read into version 2 has its turns in the old array)."""
+    if turns:
+        if roles.shape != (0,) or tool_names:
+            raise RecordDecodeError("invalid", "turns given both as records and as columns")
+        columns = Turns.of(turns)
+    else:
+        columns = Turns(roles, starts, ends, latency_s, tool_names)
+    return Trajectory(
+        trajectory_id,
+        group_id,
+        group_size,
+        group_index,
+        task_id,
+        producer_id,
+        env,
+        tokenizer_id,
+        tokens,
+        loss_mask,
+        logprobs,
+        version_spans,
+        columns,
+        *rest,
+    )
 
 
 class TrajectoryCodec:
@@ -208,13 +339,14 @@ class TrajectoryCodec:
         self._avro = AvroCodec(
             "Trajectory",
             store,
-            adapters={"rlstream.Tensor": _tensor_fields},
+            adapters={"rlstream.Tensor": _tensor_fields, "rlstream.Trajectory": _trajectory_fields},
+            shortcuts={"rlstream.Tensor": (_write_tensor_1d, _read_tensor_1d)},
             factories={
                 "rlstream.Tensor": tensor_from_avro,
                 "rlstream.VersionSpan": VersionSpan,
                 "rlstream.Turn": Turn,
                 "rlstream.Timings": Timings,
-                "rlstream.Trajectory": Trajectory,
+                "rlstream.Trajectory": _trajectory,
             },
         )
 
@@ -336,6 +468,7 @@ def _hex(v: bytes | None) -> bytes | None:
 def to_avro_dict(t: Trajectory) -> dict[str, Any]:
     """The Avro value of a trajectory as plain dicts and lists (Tensors as
     ``{dtype, shape, data}``), as other Avro libraries take it."""
+    turns = Turns.of(t.turns)
     return {
         "trajectory_id": t.trajectory_id,
         "group_id": t.group_id,
@@ -345,17 +478,24 @@ def to_avro_dict(t: Trajectory) -> dict[str, Any]:
         "producer_id": t.producer_id,
         "env": t.env,
         "tokenizer_id": t.tokenizer_id,
-        **{
-            name: dict(
-                zip(("dtype", "shape", "data"), _tensor_fields(getattr(t, name)), strict=True)
-            )
-            for name in ("tokens", "loss_mask", "logprobs")
-        },
+        "tokens": _tensor_dict(t.tokens),
+        "loss_mask": _tensor_dict(t.loss_mask),
+        "logprobs": _tensor_dict(t.logprobs),
         "version_spans": [s._asdict() for s in t.version_spans],
-        "turns": [turn._asdict() for turn in t.turns],
+        "turns": [],
+        "turn_roles": _tensor_dict(turns.roles),
+        "turn_starts": _tensor_dict(turns.starts),
+        "turn_ends": _tensor_dict(turns.ends),
+        "turn_latency_s": _tensor_dict(turns.latency_s),
+        "turn_tool_names": list(turns.tool_names),
         "reward": t.reward,
         "rewards": dict(t.rewards),
         "status": t.status,
         "timings": t.timings._asdict(),
         "metadata": dict(t.metadata),
     }
+
+
+def _tensor_dict(array: np.ndarray) -> dict[str, Any]:
+    dtype, shape, data = _tensor_fields(array)
+    return {"dtype": dtype, "shape": list(shape), "data": bytes(data)}

@@ -31,6 +31,9 @@ SCHEMA_FILES = (
     "Telemetry",
     "ProducerHeartbeat",
 )
+#: Earlier versions of shipped schemas, which records and recordings may still carry:
+#: known as writer schemas, read into the current version by Avro's resolution rules.
+HISTORY_FILES = ("Trajectory.v1",)
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,8 @@ _AVRO_KINDS = frozenset(
 )
 
 
-def _builtin() -> dict[str, Schema]:
+def _builtin() -> tuple[dict[str, Schema], list[Schema]]:
+    """The current version of each shipped schema by full name, and the earlier ones."""
     definitions: dict[str, Any] = {}
     out = {}
     for name in SCHEMA_FILES:
@@ -116,7 +120,14 @@ def _builtin() -> dict[str, Schema]:
         schema = parse(expand_references(raw, definitions))
         definitions[schema.name] = raw
         out[schema.name] = schema
-    return out
+    history = [parse(expand_references(load_schema_json(n), definitions)) for n in HISTORY_FILES]
+    return out, history
+
+
+def history(name: str) -> list[Schema]:
+    """The earlier shipped versions of record ``name``, oldest first."""
+    full = name if "." in name else f"rlstream.{name}"
+    return [s for s in _builtin()[1] if s.name == full]
 
 
 class SchemaStore:
@@ -127,8 +138,8 @@ class SchemaStore:
     """
 
     def __init__(self) -> None:
-        self._readers = _builtin()
-        self._writers = {s.fingerprint: s for s in self._readers.values()}
+        self._readers, older = _builtin()
+        self._writers = {s.fingerprint: s for s in [*older, *self._readers.values()]}
         self._registry: SchemaRegistry | None = None
         self._by_id: dict[int, Schema] = {}
 

@@ -43,6 +43,7 @@ from pipeline.records.trajectory import (
     Timings,
     Trajectory,
     Turn,
+    Turns,
     VersionSpan,
 )
 from pipeline.rollout.config import EpisodeLimits
@@ -254,7 +255,7 @@ def _trajectory(
         loss_mask=np.asarray(rec.mask, MASK_DTYPE),
         logprobs=np.asarray(rec.logprobs, LOGPROB_DTYPE),
         version_spans=rec.spans(),
-        turns=rec.turns,
+        turns=Turns.of(rec.turns),
         **fields,
     )
 

@@ -24,7 +24,7 @@ from pipeline.kafka.topics import ensure_topics, namespace_topics, rollout_topic
 from pipeline.kafka.transport import Decoded, Rejected, TrajectoryReader, TrajectoryWriter
 from pipeline.records.registry import RegistryConfig, RegistryError, SchemaRegistry
 from pipeline.records.schema_store import default_store, parse
-from pipeline.records.trajectory import Trajectory
+from pipeline.records.trajectory import Trajectory, Turns
 from pipeline.testing import make_trajectory
 
 pytestmark = pytest.mark.integration
@@ -107,7 +107,20 @@ def test_confluent_kafkas_own_deserializer_reads_every_field(
             assert value[name]["shape"] == list(array.shape)
             assert value[name]["data"] == array.tobytes()
         assert value["version_spans"] == [s._asdict() for s in want.version_spans]
-        assert value["turns"] == [t._asdict() for t in want.turns]
+        assert value["turns"] == []  # version 2: the turns are columns
+        turns = Turns.of(want.turns)
+        for name, array in (
+            ("turn_roles", turns.roles),
+            ("turn_starts", turns.starts),
+            ("turn_ends", turns.ends),
+            ("turn_latency_s", turns.latency_s),
+        ):
+            assert value[name] == {
+                "dtype": str(array.dtype),
+                "shape": list(array.shape),
+                "data": array.tobytes(),
+            }, name
+        assert value["turn_tool_names"] == list(turns.tool_names)
         assert value["timings"] == want.timings._asdict()
         for name in (
             "trajectory_id",
@@ -276,3 +289,72 @@ def test_registry_start_binds_loopback_only_and_keeps_ids_across_a_restart(
         assert rc == 0 and status["answering"] is True
     finally:
         cli("stop")
+
+
+def test_version_1_then_version_2_in_one_subject_both_read(
+    kafka: KafkaConfig, namespace: str, schema_registry: SchemaRegistry, schema_registry_url: str
+) -> None:
+    """The registry's own BACKWARD check (Apache Avro's, in Java) accepts version 2 after
+    version 1; a topic holding both reads whole, by rlstream and by confluent-kafka."""
+    from pipeline.records.codec import AvroCodec, to_avro_dict
+    from pipeline.records.registry import framing
+    from pipeline.records.schema_store import SchemaStore, history
+
+    ensure_topics(kafka, namespace_topics(namespace, ["math"], 1))
+    topic = rollout_topic(namespace, "math")
+    (v1,) = history("Trajectory")
+    v1_id = schema_registry.register(f"{topic}-value", v1.text)
+    old_store = SchemaStore()
+    old_store.use_reader(v1)
+    old_codec = AvroCodec("Trajectory", old_store)
+    rng = np.random.default_rng(9)
+    sent = [make_trajectory(120, rng=rng, env="math", turns=5) for _ in range(4)]
+    writer = TrajectoryWriter(kafka, namespace)
+    for i, t in enumerate(sent):
+        if i % 2:
+            writer.write(t)  # version 2, registered now under the same subject
+        else:
+            d = to_avro_dict(t)
+            for name in [k for k in d if k.startswith("turn_")]:
+                del d[name]
+            d["turns"] = [turn._asdict() for turn in t.turns]
+            value = old_codec.encode(d, framing(v1_id))
+            writer.write_encoded(t.env, t.group_id, value, writer.codec.headers(t))
+    writer.flush()
+    versions = json.loads(
+        urllib.request.urlopen(f"{schema_registry_url}/subjects/{topic}-value/versions").read()
+    )
+    assert len(versions) == 2
+
+    reader = TrajectoryReader(kafka, [topic], f"{namespace}.trainer")
+    got = reader.read(len(sent))
+    reader.close()
+    by_id = {r.trajectory.trajectory_id: r.trajectory for r in got if isinstance(r, Decoded)}
+    assert len(by_id) == len(sent)
+    for want in sent:
+        _same(by_id[want.trajectory_id], want)
+
+    deserializer = AvroDeserializer(SchemaRegistryClient({"url": schema_registry_url}))
+    consumer = Consumer(
+        {
+            "bootstrap.servers": kafka.bootstrap,
+            "group.id": f"{namespace}.confluent",
+            "auto.offset.reset": "earliest",
+        }
+    )
+    consumer.subscribe([topic])
+    seen = []
+    try:
+        while len(seen) < len(sent):
+            msg = consumer.poll(30)
+            assert msg is not None and msg.error() is None
+            seen.append(deserializer(msg.value(), SerializationContext(topic, MessageField.VALUE)))
+    finally:
+        consumer.close()
+    for value, want in zip(seen, sent, strict=True):
+        assert value["trajectory_id"] == want.trajectory_id
+        assert value["tokens"]["data"] == want.tokens.tobytes()
+        if "turn_roles" in value:  # a version-2 record
+            assert value["turn_roles"]["data"] == Turns.of(want.turns).roles.tobytes()
+        else:
+            assert value["turns"] == [turn._asdict() for turn in want.turns]

@@ -50,7 +50,8 @@ def test_round_trip_keeps_every_field(codec: TrajectoryCodec) -> None:
 
 def test_dataclass_fields_follow_schema_order() -> None:
     schema = json.loads(default_store().reader("Trajectory").canonical_form)
-    assert list(Trajectory.__slots__) == [f["name"] for f in schema["fields"]]
+    fields = [f["name"] for f in schema["fields"] if not f["name"].startswith("turn_")]
+    assert list(Trajectory.__slots__) == fields  # the turn_* columns are held by `turns`
 
 
 def test_empty_trajectory_round_trips(codec: TrajectoryCodec) -> None:
@@ -290,3 +291,42 @@ def _position(d: dict[str, object], field: str, a: object, b: object) -> int:
     """Byte offset where the encodings with ``field`` = a and = b first differ."""
     x, y = _raw(dict(d, **{field: a})), _raw(dict(d, **{field: b}))
     return next(i for i, (p, q) in enumerate(zip(x, y, strict=False)) if p != q)
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"turn_roles": {"dtype": "int32", "shape": [4], "data": b"\0" * 16}}, "invalid"),
+        ({"turn_roles": {"dtype": "uint8", "shape": [3], "data": b"\0\1\2"}}, "length_mismatch"),
+        ({"turn_roles": {"dtype": "uint8", "shape": [4], "data": b"\0\1\7\1"}}, "bad_enum"),
+        ({"turn_tool_names": ["a", "b"]}, "length_mismatch"),
+        (
+            {"turn_starts": {"dtype": "int32", "shape": [2, 2], "data": b"\0" * 16}},
+            "length_mismatch",
+        ),
+        ({"turn_ends": {"dtype": "int32", "shape": [4], "data": b"\xff" * 16}}, "bad_span"),
+        ({"turn_latency_s": {"dtype": "float32", "shape": [4], "data": b"\0" * 16}}, "invalid"),
+    ],
+)
+def test_turn_columns_are_checked(change: dict, reason: str) -> None:
+    t = make_trajectory(40, rng=np.random.default_rng(5), turns=4)
+    d = to_avro_dict(t)
+    d.update(change)
+    with pytest.raises(RecordDecodeError) as e:
+        TrajectoryCodec().decode(TrajectoryCodec().encode_avro_dict(d))
+    assert e.value.reason == reason
+
+
+def test_turns_out_of_order_are_refused_in_numpy_too() -> None:
+    """Above 32 turns the check is vectorised: the same refusals."""
+    for turns in (8, 40):
+        t = make_trajectory(400, rng=np.random.default_rng(turns), turns=turns)
+        assert TrajectoryCodec().decode(TrajectoryCodec().encode(t)).turns == t.turns
+        d = to_avro_dict(t)
+        starts = np.frombuffer(d["turn_starts"]["data"], "<i4").copy()
+        k = turns // 2  # two turns' starts swapped: out of order
+        starts[k], starts[k + 1] = starts[k + 1], starts[k]
+        d["turn_starts"]["data"] = starts.tobytes()
+        with pytest.raises(RecordDecodeError) as e:
+            TrajectoryCodec().decode(TrajectoryCodec().encode_avro_dict(d))
+        assert e.value.reason == "bad_span", turns
