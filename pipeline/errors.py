@@ -24,8 +24,11 @@ class RecordDecodeError(RlstreamError, ValueError):
     the dead-letter record's ``error_class`` and a counter label):
 
     - ``truncated``: the bytes end before the record does;
-    - ``bad_marker``: not Avro single-object encoding (no ``C3 01`` marker);
-    - ``unknown_schema``: the writer schema's fingerprint is not known to this reader;
+    - ``bad_marker``: neither Avro single-object encoding (``C3 01``) nor a schema
+      registry's framing (``00``);
+    - ``unknown_schema``: the writer schema's fingerprint is not known to this reader, or
+      its registry id could not be resolved (no ``--schema-registry``, an id the registry
+      lacks, a registry that does not answer);
     - ``bad_length``: a length or count prefix is negative or larger than the bytes left;
     - ``trailing_bytes``: bytes remain after the record;
     - ``tensor_mismatch``: a Tensor's dtype and shape disagree with its data length;

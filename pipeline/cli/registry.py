@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,18 @@ def register(sub: Any) -> None:
         help="HTTP port on 127.0.0.1; health and metrics on the next one "
         "(env RLSTREAM_REGISTRY_PORT)",
     )
+    p.add_argument(
+        "--user",
+        default=None,
+        help="start: every request needs HTTP basic auth as this user (clients: "
+        "--schema-registry-user)",
+    )
+    p.add_argument(
+        "--password",
+        default=None,
+        help="start: its password (env RLSTREAM_SCHEMA_REGISTRY_PASSWORD, the variable "
+        "clients read too; prefer it to the flag)",
+    )
     add_json_arg(p)
     p.set_defaults(func=cmd_registry)
 
@@ -42,7 +55,15 @@ def register(sub: Any) -> None:
 def cmd_registry(args: argparse.Namespace) -> int:
     from pipeline.kafka.registry_server import LocalRegistry, RegistryServerConfig
 
-    registry = LocalRegistry(RegistryServerConfig(data_dir=args.data_dir, port=args.port))
+    password = args.password or os.environ.get("RLSTREAM_SCHEMA_REGISTRY_PASSWORD")
+    registry = LocalRegistry(
+        RegistryServerConfig(
+            data_dir=args.data_dir,
+            port=args.port,
+            user=args.user,
+            password=password if args.user else None,
+        )
+    )
     if args.action == "start":
         was_running = registry.running()
         state = registry.start()

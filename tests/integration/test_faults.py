@@ -204,9 +204,13 @@ def _poison(rng: np.random.Generator, good: bytes, avro: dict[str, Any]) -> dict
         return codec.encode_avro_dict({**avro, "reward": float("nan")})
 
     return {
-        "random": lambda i: bytes([rng.integers(0, 0xC3)]) + rng.bytes(int(rng.integers(0, 2000))),
+        # (a first byte 00 would be a schema registry's framing: "fingerprint" has those)
+        "random": lambda i: bytes([rng.integers(1, 0xC3)]) + rng.bytes(int(rng.integers(0, 2000))),
         "truncated": lambda i: good[: int(rng.integers(HEADER_SIZE, len(good) - 1))],
-        "fingerprint": lambda i: MARKER + rng.bytes(8) + good[HEADER_SIZE:],
+        # an unknown fingerprint, or a registry's schema id with no registry to ask
+        "fingerprint": lambda i: (
+            (MARKER + rng.bytes(8) if i % 2 else b"\x00" + rng.bytes(4)) + good[HEADER_SIZE:]
+        ),
         # the first field (a string) claims 2**62 bytes
         "length": lambda i: (
             header + b"\xfe\xff\xff\xff\xff\xff\xff\xff\x7f" + good[HEADER_SIZE + 1 :]

@@ -256,7 +256,7 @@ def _listening(pid: int) -> set[tuple[str, int]]:
 
 
 @pytest.mark.slow
-def test_registry_start_binds_loopback_only_and_keeps_ids_across_a_restart(
+def test_registry_start_binds_loopback_only_keeps_ids_and_can_require_a_user(
     tmp_path: Any,
 ) -> None:
     from tests.conftest import free_port_pair
@@ -264,9 +264,12 @@ def test_registry_start_binds_loopback_only_and_keeps_ids_across_a_restart(
     port = free_port_pair(2)
     base = [sys.executable, "-m", "pipeline.cli", "registry"]
     where = ["--data-dir", str(tmp_path / "reg"), "--port", str(port), "--json"]
+    env = dict(os.environ, RLSTREAM_SCHEMA_REGISTRY_PASSWORD="s3cret: #=!")
 
-    def cli(action: str) -> tuple[int, dict[str, Any]]:
-        done = subprocess.run([*base, action, *where], capture_output=True, text=True, timeout=300)
+    def cli(action: str, *extra: str) -> tuple[int, dict[str, Any]]:
+        done = subprocess.run(
+            [*base, action, *where, *extra], capture_output=True, text=True, timeout=300, env=env
+        )
         return done.returncode, json.loads(done.stdout.strip().splitlines()[-1])
 
     rc, state = cli("start")
@@ -281,12 +284,22 @@ def test_registry_start_binds_loopback_only_and_keeps_ids_across_a_restart(
         assert cli("start")[1]["already_running"] is True
         assert cli("stop") == (0, {"stopped": True})
         assert cli("status")[0] == 3
-        rc, state = cli("start")
+
+        # again, on the same data, now asking for credentials: the id is still there
+        rc, state = cli("start", "--user", "alice")
         assert rc == 0
-        text = SchemaRegistry(RegistryConfig(state["url"])).schema_text(schema_id)
+        with pytest.raises(RegistryError, match=r"refused the credentials \(HTTP 401\)"):
+            SchemaRegistry(RegistryConfig(state["url"])).schema_text(schema_id)
+        with pytest.raises(RegistryError, match="HTTP 401"):
+            SchemaRegistry(RegistryConfig(state["url"], "alice", "wrong")).schema_text(schema_id)
+        authed = SchemaRegistry(RegistryConfig(state["url"], "alice", "s3cret: #=!"))
+        text = authed.schema_text(schema_id)
         assert text is not None and parse(json.loads(text)).fingerprint == schema.fingerprint
         rc, status = cli("status")
         assert rc == 0 and status["answering"] is True
+        config = tmp_path / "reg" / "config" / "application.properties"
+        assert config.stat().st_mode & 0o077 == 0  # the password: owner only
+        assert "s3cret" not in " ".join(open(f"/proc/{state['pid']}/cmdline").read().split("\0"))
     finally:
         cli("stop")
 
