@@ -20,7 +20,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import uuid
@@ -31,6 +30,14 @@ from typing import Any
 
 from pipeline.errors import BrokerError, InvalidConfigError, MissingToolError
 from pipeline.kafka.client import MAX_FETCH_BYTES, MAX_MESSAGE_BYTES
+from pipeline.kafka.local_service import (
+    LocalService,
+    alive,
+    port_free,
+    reap,
+    send_signal,
+    tail,
+)
 
 log = logging.getLogger(__name__)
 
@@ -219,62 +226,23 @@ def ensure_jars(home: Path) -> Path:
         check=False,
     )
     if proc.returncode != 0 or not any(lib.glob("kafka_2.13-*.jar")):
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-20:])
-        raise BrokerError(f"Maven could not fetch the Kafka jars:\n{tail}")
+        last = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-20:])
+        raise BrokerError(f"Maven could not fetch the Kafka jars:\n{last}")
     return lib
 
 
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie child counts as gone
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[-1][:1] != "Z"
-    except OSError:
-        return True
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-class LocalBroker:
+class LocalBroker(LocalService):
     """Start, stop and inspect a local Apache Kafka cluster of ``config.nodes`` nodes."""
 
     def __init__(self, config: BrokerConfig | None = None) -> None:
         self.config = config or BrokerConfig()
-        self.data_dir = self.config.data_dir.resolve()
-        self.state_path = self.data_dir / STATE_FILE
+        super().__init__(self.config.data_dir, STATE_FILE)
 
     # ---- state ---------------------------------------------------------------------
 
-    def state(self) -> dict[str, Any] | None:
-        """The recorded state of a broker started from this data dir, or None."""
-        try:
-            return dict(json.loads(self.state_path.read_text()))
-        except (OSError, ValueError):
-            return None
-
     def running(self) -> bool:
         state = self.state()
-        return bool(state) and all(_alive(n["pid"]) for n in state["nodes"])  # type: ignore[index]
+        return bool(state) and all(alive(n["pid"]) for n in state["nodes"])  # type: ignore[index]
 
     @property
     def bootstrap(self) -> str:
@@ -296,7 +264,7 @@ class LocalBroker:
         cfg = self.config
         for i in range(cfg.nodes):
             for port in (cfg.client_port(i), cfg.controller_port(i)):
-                if not _port_free(cfg.host, port):
+                if not port_free(cfg.host, port):
                     raise BrokerError(
                         f"port {port} on {cfg.host} is in use by another program: stop it, "
                         "or start the broker on other ports with --port"
@@ -471,12 +439,12 @@ class LocalBroker:
         want = len(state["nodes"])
         while True:
             for node in state["nodes"]:
-                if not _alive(node["pid"]):
+                if not alive(node["pid"]):
                     node_dir = Path(node["dir"])
                     raise BrokerError(
                         f"Kafka node {node['node_id']} exited during start; last lines of "
-                        f"its log:\n{_tail(node_dir / 'server.log')}\n"
-                        f"{_tail(node_dir / 'stdout.log', 10)}"
+                        f"its log:\n{tail(node_dir / 'server.log')}\n"
+                        f"{tail(node_dir / 'stdout.log', 10)}"
                     )
             try:
                 md = admin.list_topics(timeout=2)
@@ -499,19 +467,19 @@ class LocalBroker:
         state = self.state()
         if not state:
             return False
-        pids = [n["pid"] for n in state["nodes"] if _alive(n["pid"])]
+        pids = [n["pid"] for n in state["nodes"] if alive(n["pid"])]
         for pid in pids:
-            _signal(pid, signal.SIGTERM)
+            send_signal(pid, signal.SIGTERM)
         deadline = time.monotonic() + self.config.stop_grace_s
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.2)
         for pid in pids:
-            if _alive(pid):
+            if alive(pid):
                 log.warning(
                     "broker pid=%d did not stop in %.0fs, killing", pid, self.config.stop_grace_s
                 )
-                _signal(pid, signal.SIGKILL)
-        _reap(pids)
+                send_signal(pid, signal.SIGKILL)
+        reap(pids)
         self.state_path.unlink(missing_ok=True)
         _remember(self.data_dir, add=False)
         return bool(pids)
@@ -520,8 +488,8 @@ class LocalBroker:
         """SIGKILL one node (fault injection); ``restart_node`` brings it back."""
         for node in (self.state() or {}).get("nodes", []):
             if node["node_id"] == node_id:
-                _signal(node["pid"], signal.SIGKILL)
-                _reap([node["pid"]])
+                send_signal(node["pid"], signal.SIGKILL)
+                reap([node["pid"]])
 
     def restart_node(self, node_id: int) -> None:
         state = self.state()
@@ -530,7 +498,7 @@ class LocalBroker:
         java, home = find_java(), kafka_home(self.config.kafka_home)
         lib = ensure_jars(home)
         for k, node in enumerate(state["nodes"]):
-            if node["node_id"] == node_id and not _alive(node["pid"]):
+            if node["node_id"] == node_id and not alive(node["pid"]):
                 node_dir = Path(node["dir"])
                 state["nodes"][k] = self._launch(
                     java, lib, home, node_dir / "server.properties", node_dir, node_id - 1
@@ -540,9 +508,9 @@ class LocalBroker:
 
     def _kill_leftovers(self, state: dict[str, Any]) -> None:
         for node in state["nodes"]:
-            if _alive(node["pid"]):
-                _signal(node["pid"], signal.SIGKILL)
-        _reap([n["pid"] for n in state["nodes"]])
+            if alive(node["pid"]):
+                send_signal(node["pid"], signal.SIGKILL)
+        reap([n["pid"] for n in state["nodes"]])
         self.state_path.unlink(missing_ok=True)
 
     def status(self) -> dict[str, Any]:
@@ -550,7 +518,7 @@ class LocalBroker:
         state = self.state()
         if not state:
             return {"running": False, "data_dir": str(self.data_dir)}
-        nodes = [dict(n, alive=_alive(n["pid"])) for n in state["nodes"]]
+        nodes = [dict(n, alive=alive(n["pid"])) for n in state["nodes"]]
         answering = False
         if any(n["alive"] for n in nodes):
             from confluent_kafka.admin import AdminClient
@@ -610,22 +578,6 @@ def running_brokers() -> list[LocalBroker]:
         if broker.running():
             found.append(broker)
     return found
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _reap(pids: list[int]) -> None:
-    """Collect exited children of this process so they do not linger as zombies."""
-    for pid in pids:
-        try:
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
 
 
 def _argfile_quote(arg: str) -> str:

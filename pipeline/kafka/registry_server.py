@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import BrokerError, InvalidConfigError, MissingToolError
-from pipeline.kafka.broker import _alive, _port_free, _reap, _signal, _tail, find_java
+from pipeline.kafka.broker import find_java
+from pipeline.kafka.local_service import LocalService, alive, port_free, reap, send_signal, tail
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +76,8 @@ def ensure_distribution(home: Path) -> Path:
     )
     archive = home / f"apicurio-registry-app-{APICURIO_VERSION}-all.tar.gz"
     if proc.returncode != 0 or not archive.exists():
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-20:])
-        raise BrokerError(f"Maven could not fetch {ARTIFACT}:\n{tail}")
+        last = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-20:])
+        raise BrokerError(f"Maven could not fetch {ARTIFACT}:\n{last}")
     partial = home / f".unpacking-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
     with tarfile.open(archive) as tar:
@@ -111,23 +112,16 @@ class RegistryServerConfig:
         return f"http://127.0.0.1:{self.port}{CCOMPAT_PATH}"
 
 
-class LocalRegistry:
+class LocalRegistry(LocalService):
     """Start, stop and inspect a local Apicurio Registry."""
 
     def __init__(self, config: RegistryServerConfig | None = None) -> None:
         self.config = config or RegistryServerConfig()
-        self.data_dir = self.config.data_dir.resolve()
-        self.state_path = self.data_dir / STATE_FILE
-
-    def state(self) -> dict[str, Any] | None:
-        try:
-            return dict(json.loads(self.state_path.read_text()))
-        except (OSError, ValueError):
-            return None
+        super().__init__(self.config.data_dir, STATE_FILE)
 
     def running(self) -> bool:
         state = self.state()
-        return bool(state) and _alive(int(state["pid"]))  # type: ignore[index]
+        return bool(state) and alive(int(state["pid"]))  # type: ignore[index]
 
     @property
     def url(self) -> str:
@@ -137,11 +131,11 @@ class LocalRegistry:
     def start(self) -> dict[str, Any]:
         """Start the registry (idempotent) and return when its API answers."""
         state = self.state()
-        if state and _alive(int(state["pid"])):
+        if state and alive(int(state["pid"])):
             self._wait_ready(state)
             return state
         for port in (self.config.port, self.config.port + 1):
-            if not _port_free("127.0.0.1", port):
+            if not port_free("127.0.0.1", port):
                 raise BrokerError(
                     f"port {port} is taken: start the registry on another with --port "
                     "(it takes PORT and PORT+1)"
@@ -213,10 +207,10 @@ class LocalRegistry:
     def _wait_ready(self, state: dict[str, Any]) -> None:
         deadline = time.monotonic() + self.config.start_timeout_s
         while not answers(str(state["url"])):
-            if not _alive(int(state["pid"])):
+            if not alive(int(state["pid"])):
                 raise BrokerError(
                     "Apicurio Registry exited during start; last lines of its log:\n"
-                    + _tail(Path(state["log"]))
+                    + tail(Path(state["log"]))
                 )
             if time.monotonic() > deadline:
                 raise BrokerError(
@@ -231,15 +225,15 @@ class LocalRegistry:
         if not state:
             return False
         pid = int(state["pid"])
-        was_alive = _alive(pid)
+        was_alive = alive(pid)
         if was_alive:
-            _signal(pid, signal.SIGTERM)
+            send_signal(pid, signal.SIGTERM)
             deadline = time.monotonic() + self.config.stop_grace_s
-            while _alive(pid) and time.monotonic() < deadline:
+            while alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.2)
-            if _alive(pid):
-                _signal(pid, signal.SIGKILL)
-            _reap([pid])
+            if alive(pid):
+                send_signal(pid, signal.SIGKILL)
+            reap([pid])
         self.state_path.unlink(missing_ok=True)
         return was_alive
 
@@ -247,8 +241,8 @@ class LocalRegistry:
         state = self.state()
         if not state:
             return {"running": False, "data_dir": str(self.data_dir)}
-        alive = _alive(int(state["pid"]))
-        return dict(state, running=alive, answering=alive and answers(str(state["url"])))
+        running = alive(int(state["pid"]))
+        return dict(state, running=running, answering=running and answers(str(state["url"])))
 
 
 def answers(url: str, timeout: float = 2.0) -> bool:

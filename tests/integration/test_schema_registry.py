@@ -7,8 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 import urllib.request
 from typing import Any
 
@@ -26,6 +24,7 @@ from pipeline.records.registry import RegistryConfig, RegistryError, SchemaRegis
 from pipeline.records.schema_store import default_store, parse
 from pipeline.records.trajectory import Trajectory, Turns
 from pipeline.testing import make_trajectory
+from tests.integration.test_broker import rlstream
 
 pytestmark = pytest.mark.integration
 
@@ -181,27 +180,19 @@ def test_a_producer_whose_schema_the_registry_refuses_stops_at_start(
         "fields": [{"name": "only", "type": "int"}],
     }
     registry.register(f"{topic}-value", json.dumps(incompatible))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipeline.cli",
-            "produce",
-            "--bootstrap",
-            bootstrap,
-            "--namespace",
-            namespace,
-            "--env",
-            "guess",
-            "--max-episodes",
-            "4",
-            "--schema-registry",
-            schema_registry_url,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=dict(os.environ, RLSTREAM_DEBUG=""),
+    proc = rlstream(
+        "produce",
+        "--bootstrap",
+        bootstrap,
+        "--namespace",
+        namespace,
+        "--env",
+        "guess",
+        "--max-episodes",
+        "4",
+        "--schema-registry",
+        schema_registry_url,
+        env={"RLSTREAM_DEBUG": ""},
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     error = [line for line in proc.stderr.splitlines() if line.startswith("rlstream:")]
@@ -262,14 +253,11 @@ def test_registry_start_binds_loopback_only_keeps_ids_and_can_require_a_user(
     from tests.conftest import free_port_pair
 
     port = free_port_pair(2)
-    base = [sys.executable, "-m", "pipeline.cli", "registry"]
     where = ["--data-dir", str(tmp_path / "reg"), "--port", str(port), "--json"]
-    env = dict(os.environ, RLSTREAM_SCHEMA_REGISTRY_PASSWORD="s3cret: #=!")
+    env = {"RLSTREAM_SCHEMA_REGISTRY_PASSWORD": "s3cret: #=!"}
 
     def cli(action: str, *extra: str) -> tuple[int, dict[str, Any]]:
-        done = subprocess.run(
-            [*base, action, *where, *extra], capture_output=True, text=True, timeout=300, env=env
-        )
+        done = rlstream("registry", action, *where, *extra, env=env)
         return done.returncode, json.loads(done.stdout.strip().splitlines()[-1])
 
     rc, state = cli("start")

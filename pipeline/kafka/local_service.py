@@ -1,0 +1,73 @@
+"""What the local Java services rlstream runs (Kafka, a schema registry) share: a state
+file in their data directory that ``stop`` and ``status`` read from another process, and
+the handling of their processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+
+class LocalService:
+    """A service whose state (pids, ports, address) lives in ``data_dir/state_file``."""
+
+    def __init__(self, data_dir: Path, state_file: str) -> None:
+        self.data_dir = data_dir.resolve()
+        self.state_path = self.data_dir / state_file
+
+    def state(self) -> dict[str, Any] | None:
+        """The recorded state of a service started from this data dir, or None."""
+        try:
+            return dict(json.loads(self.state_path.read_text()))
+        except (OSError, ValueError):
+            return None
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie child counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][:1] != "Z"
+    except OSError:
+        return True
+
+
+def tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def send_signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def reap(pids: list[int]) -> None:
+    """Collect exited children of this process so they do not linger as zombies."""
+    for pid in pids:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
