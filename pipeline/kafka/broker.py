@@ -240,9 +240,8 @@ class LocalBroker(LocalService):
 
     # ---- state ---------------------------------------------------------------------
 
-    def running(self) -> bool:
-        state = self.state()
-        return bool(state) and all(alive(n["pid"]) for n in state["nodes"])  # type: ignore[index]
+    def pids(self, state: dict[str, Any]) -> list[int]:
+        return [int(n["pid"]) for n in state["nodes"]]
 
     @property
     def bootstrap(self) -> str:

@@ -25,6 +25,17 @@ class LocalService:
         except (OSError, ValueError):
             return None
 
+    def pids(self, state: dict[str, Any]) -> list[int]:
+        """The processes a recorded state names."""
+        raise NotImplementedError
+
+    def running(self) -> bool:
+        """Whether every process of the recorded state is alive."""
+        state = self.state()
+        if not state:
+            return False
+        return all(alive(p) for p in self.pids(state))
+
 
 def port_free(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

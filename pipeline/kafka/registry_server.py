@@ -119,9 +119,8 @@ class LocalRegistry(LocalService):
         self.config = config or RegistryServerConfig()
         super().__init__(self.config.data_dir, STATE_FILE)
 
-    def running(self) -> bool:
-        state = self.state()
-        return bool(state) and alive(int(state["pid"]))  # type: ignore[index]
+    def pids(self, state: dict[str, Any]) -> list[int]:
+        return [int(state["pid"])]
 
     @property
     def url(self) -> str:
