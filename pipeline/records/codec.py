@@ -202,6 +202,13 @@ _DTYPE_LIST = tuple(
     DTYPES[name] for name in default_store().reader("Tensor").parsed["fields"][0]["type"]["symbols"]
 )
 _DTYPE_INDEX = {dt: i for i, dt in enumerate(_DTYPE_LIST)}
+#: element types numpy cannot export through the buffer protocol (ml_dtypes' bfloat16)
+_NO_BUFFER = frozenset({DTYPES["bfloat16"]})
+
+
+def _raw(d: np.ndarray) -> Any:
+    """A C-ordered array's bytes, without a copy where numpy allows."""
+    return d.tobytes() if d.dtype in _NO_BUFFER else d.data.cast("B")
 
 
 def _write_tensor_1d(out: bytearray, d: Any) -> bool:
@@ -212,12 +219,19 @@ def _write_tensor_1d(out: bytearray, d: Any) -> bool:
     i = _DTYPE_INDEX.get(d.dtype)
     if i is None:
         return False
+    n, size = d.shape[0], d.nbytes
     out.append(i << 1)
     out.append(2)  # one block of one dimension
-    write_long(out, d.shape[0])
+    if n < 64:
+        out.append(n << 1)
+    else:
+        write_long(out, n)
     out.append(0)
-    write_long(out, d.nbytes)
-    out += d.data.cast("B")
+    if size < 64:
+        out.append(size << 1)
+    else:
+        write_long(out, size)
+    out += _raw(d)
     return True
 
 
@@ -227,10 +241,22 @@ def _read_tensor_1d(buf: bytes, pos: int) -> tuple[np.ndarray, int] | None:
     code = buf[pos]
     if code & 1 or code >= 2 * len(_DTYPE_LIST) or buf[pos + 1] != 2:
         return None
-    dim, p = read_long(buf, pos + 2)
-    if buf[p] != 0 or dim < 0:
+    b = buf[pos + 2]
+    if b < 128:  # a one-byte varint (zig-zag: odd is negative)
+        if b & 1:
+            return None
+        dim, p = b >> 1, pos + 3
+    else:
+        dim, p = read_long(buf, pos + 2)
+    if dim < 0 or buf[p] != 0:
         return None
-    size, p = read_long(buf, p + 1)
+    b = buf[p + 1]
+    if b < 128:
+        if b & 1:
+            return None
+        size, p = b >> 1, p + 2
+    else:
+        size, p = read_long(buf, p + 1)
     dtype = _DTYPE_LIST[code >> 1]
     if size != dim * dtype.itemsize or size > len(buf) - p:
         return None
@@ -241,7 +267,7 @@ def _tensor_fields(d: Any) -> tuple[Any, ...]:
     if type(d) is np.ndarray and d.ndim == 1 and d.flags.c_contiguous:  # the usual case
         name = _DTYPE_NAMES.get(d.dtype)
         if name is not None:
-            return name, d.shape, d.data.cast("B")
+            return name, d.shape, _raw(d)
     if isinstance(d, np.ndarray):
         name = _DTYPE_NAMES.get(d.dtype.newbyteorder("<") if d.dtype.byteorder == ">" else d.dtype)
         if name is None:
