@@ -17,13 +17,17 @@ every answer is checked and every failure is one :class:`RegistryError` sentence
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from typing import Any
+
+import tenacity
 
 from pipeline.errors import RlstreamError
 
@@ -35,6 +39,9 @@ _CONTENT_TYPE = "application/vnd.schemaregistry.v1+json"
 #: Unknown ids remembered (so a flood of corrupt records does not become a flood of
 #: requests); beyond this many the oldest are forgotten.
 _MAX_MISSES = 1024
+#: After a registry did not answer, lookups fail at once for this long (seconds): records
+#: are refused quickly instead of each waiting for the retries.
+DOWN_S = 5.0
 
 
 class RegistryError(RlstreamError):
@@ -82,6 +89,8 @@ class SchemaRegistry:
         self._ids: dict[tuple[str, str], int] = {}
         self._texts: dict[int, str] = {}
         self._missing: dict[int, str] = {}
+        self._down_until = 0.0
+        self._down_reason = ""
         self.requests = 0
 
     def __repr__(self) -> str:
@@ -130,8 +139,15 @@ class SchemaRegistry:
                 return self._texts[schema_id]
             if schema_id in self._missing:
                 return None
+            if time.monotonic() < self._down_until:  # it failed a moment ago: fail fast
+                raise RegistryError(self._down_reason)
         try:
             answer = self._request("GET", f"/schemas/ids/{schema_id}", what=f"look up {schema_id}")
+        except _Down as e:
+            with self._lock:
+                self._down_until = time.monotonic() + DOWN_S
+                self._down_reason = f"{e} (not asked again for {DOWN_S:.0f} s)"
+            raise RegistryError(str(e)) from None
         except _NotFound:
             with self._lock:
                 if len(self._missing) >= _MAX_MISSES:
@@ -148,6 +164,21 @@ class SchemaRegistry:
     # ---- HTTP ----------------------------------------------------------------------
 
     def _request(self, method: str, path: str, body: Any = None, *, what: str) -> Any:
+        """One request, tried again (three tries in about 1.5 s) when the connection fails
+        or drops: every request rlstream makes is idempotent (registering a schema the
+        subject holds answers its id). What the registry answers is never retried."""
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception_type(_Unreachable),
+            stop=tenacity.stop_after_attempt(3),
+            wait=tenacity.wait_exponential(multiplier=0.5, max=2.0),
+            reraise=True,
+        )
+        try:
+            return retrying(self._request_once, method, path, body, what=what)
+        except _Unreachable as e:
+            raise _Down(str(e)) from None
+
+    def _request_once(self, method: str, path: str, body: Any, *, what: str) -> Any:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self._base + path, data=data, method=method)
         req.add_header("Accept", f"{_CONTENT_TYPE}, application/json")
@@ -172,9 +203,9 @@ class SchemaRegistry:
             raise RegistryError(
                 f"the schema registry at {self._base} refused to {what} (HTTP {e.code}): {reason}"
             ) from None
-        except (urllib.error.URLError, OSError) as e:
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
             why = getattr(e, "reason", e)
-            raise RegistryError(
+            raise _Unreachable(
                 f"the schema registry at {self._base} did not answer ({why}) trying to {what}"
             ) from None
         try:
@@ -188,6 +219,14 @@ class SchemaRegistry:
 
 class _NotFound(RegistryError):
     pass
+
+
+class _Down(RegistryError):
+    """The registry did not answer after the retries."""
+
+
+class _Unreachable(Exception):
+    """The connection failed or dropped (tried again before it becomes an error)."""
 
 
 def _reason(e: urllib.error.HTTPError) -> str:

@@ -159,13 +159,17 @@ def test_without_the_registry_framed_records_are_refused_not_fatal(
     assert all(isinstance(r, Rejected) and r.error.reason == "unknown_schema" for r in got)
     assert "--schema-registry" in str(got[0].error)  # type: ignore[union-attr]
 
-    # a registry that does not answer: refused with the reason, nothing raised
-    store.registry = SchemaRegistry(RegistryConfig("http://127.0.0.1:9/apis/ccompat/v7", None))
+    # a registry that does not answer: refused with the reason, nothing raised; asked
+    # three times for the first record, and not again for the second, a moment later
+    dead = SchemaRegistry(RegistryConfig("http://127.0.0.1:9/apis/ccompat/v7"))
+    store.registry = dead
     reader = TrajectoryReader(kafka, [rollout_topic(namespace, "math")], f"{namespace}.u")
     got = reader.read(2)
     reader.close()
     assert all(isinstance(r, Rejected) and r.error.reason == "unknown_schema" for r in got)
     assert "did not answer" in str(got[0].error)  # type: ignore[union-attr]
+    assert "not asked again" in str(got[1].error)  # type: ignore[union-attr]
+    assert dead.requests == 3
 
 
 def test_a_producer_whose_schema_the_registry_refuses_stops_at_start(
