@@ -37,6 +37,7 @@ from pipeline.kafka.local_service import (
     reap,
     send_signal,
     tail,
+    terminate,
 )
 
 log = logging.getLogger(__name__)
@@ -466,19 +467,7 @@ class LocalBroker(LocalService):
         state = self.state()
         if not state:
             return False
-        pids = [n["pid"] for n in state["nodes"] if alive(n["pid"])]
-        for pid in pids:
-            send_signal(pid, signal.SIGTERM)
-        deadline = time.monotonic() + self.config.stop_grace_s
-        while any(alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        for pid in pids:
-            if alive(pid):
-                log.warning(
-                    "broker pid=%d did not stop in %.0fs, killing", pid, self.config.stop_grace_s
-                )
-                send_signal(pid, signal.SIGKILL)
-        reap(pids)
+        pids = terminate([n["pid"] for n in state["nodes"]], self.config.stop_grace_s, "broker")
         self.state_path.unlink(missing_ok=True)
         _remember(self.data_dir, add=False)
         return bool(pids)

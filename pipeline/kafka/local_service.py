@@ -5,10 +5,15 @@ the handling of their processes."""
 from __future__ import annotations
 
 import json
+import logging
 import os
+import signal
 import socket
+import time
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 class LocalService:
@@ -82,3 +87,20 @@ def reap(pids: list[int]) -> None:
             os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
             pass
+
+
+def terminate(pids: list[int], grace_s: float, what: str) -> list[int]:
+    """Stop processes: SIGTERM, then SIGKILL for those still alive after ``grace_s``
+    seconds (logged, naming ``what``). Returns the pids that were alive."""
+    pids = [p for p in pids if alive(p)]
+    for pid in pids:
+        send_signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in pids:
+        if alive(pid):
+            log.warning("%s pid=%d did not stop in %.0fs, killing", what, pid, grace_s)
+            send_signal(pid, signal.SIGKILL)
+    reap(pids)
+    return pids

@@ -17,7 +17,6 @@ import logging
 import os
 import re
 import shutil
-import signal
 import subprocess
 import tarfile
 import time
@@ -29,7 +28,13 @@ from typing import Any
 
 from pipeline.errors import BrokerError, InvalidConfigError, MissingToolError
 from pipeline.kafka.broker import find_java
-from pipeline.kafka.local_service import LocalService, alive, port_free, reap, send_signal, tail
+from pipeline.kafka.local_service import (
+    LocalService,
+    alive,
+    port_free,
+    tail,
+    terminate,
+)
 
 log = logging.getLogger(__name__)
 
@@ -223,18 +228,9 @@ class LocalRegistry(LocalService):
         state = self.state()
         if not state:
             return False
-        pid = int(state["pid"])
-        was_alive = alive(pid)
-        if was_alive:
-            send_signal(pid, signal.SIGTERM)
-            deadline = time.monotonic() + self.config.stop_grace_s
-            while alive(pid) and time.monotonic() < deadline:
-                time.sleep(0.2)
-            if alive(pid):
-                send_signal(pid, signal.SIGKILL)
-            reap([pid])
+        stopped = terminate([int(state["pid"])], self.config.stop_grace_s, "registry")
         self.state_path.unlink(missing_ok=True)
-        return was_alive
+        return bool(stopped)
 
     def status(self) -> dict[str, Any]:
         state = self.state()
