@@ -50,7 +50,12 @@ setup() {
     spec=".[test]"
     stamp="$venv/.rlstream-installed-test"
   fi
-  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  # installed again when the packaging or the C codec changed (it is compiled at install)
+  local changed=""
+  for f in pyproject.toml setup.py pipeline/records/*.c; do
+    if [ "$f" -nt "$stamp" ]; then changed=1; fi
+  done
+  if [ ! -f "$stamp" ] || [ -n "$changed" ]; then
     echo "== installing rlstream${1:+ and its $1 tools}"
     "$venv/bin/python" -m pip install -q --upgrade pip
     "$venv/bin/python" -m pip install -q -e "$spec"

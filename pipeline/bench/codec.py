@@ -4,7 +4,8 @@ Contenders, all on the same 4,096-token trajectory of 8 turns (and again of 32 t
 figures suffixed ``_32_turns``):
 
 - ``rlstream``: :class:`TrajectoryCodec` (single-object Avro, arrays as Tensor bytes,
-  with validation on both ends);
+  with validation on both ends), in C where the extension is built (figure ``native``);
+- ``rlstream_python``: the same codec and contract in their Python reference;
 - ``pickle``: ``pickle.dumps(protocol=5)`` and ``pickle.loads`` of the same object;
 - ``avro_arrays``: fastavro with the arrays as Avro arrays of numbers (the usual way to
   put numbers in Avro), converted from and back to numpy.
@@ -56,6 +57,7 @@ def avro_arrays_schema() -> Any:
 
 def _contenders(t: Trajectory) -> tuple[dict[str, Callable[[], object]], dict[str, int]]:
     codec = TrajectoryCodec()
+    python = TrajectoryCodec(native=False)
     schema = avro_arrays_schema()
 
     def as_arrays() -> dict[str, Any]:
@@ -76,11 +78,13 @@ def _contenders(t: Trajectory) -> tuple[dict[str, Callable[[], object]], dict[st
     schemaless_writer(buf, schema, as_arrays())
     sizes = {
         "rlstream": len(codec.encode(t)),
+        "rlstream_python": len(python.encode(t)),
         "pickle": len(pickle.dumps(t, protocol=5)),
         "avro_arrays": len(buf.getvalue()),
     }
     contenders = {
         "rlstream": lambda: codec.decode(codec.encode(t)),
+        "rlstream_python": lambda: python.decode(python.encode(t)),
         "pickle": lambda: pickle.loads(pickle.dumps(t, protocol=5)),
         "avro_arrays": avro_arrays,
     }
@@ -88,7 +92,10 @@ def _contenders(t: Trajectory) -> tuple[dict[str, Callable[[], object]], dict[st
 
 
 def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
-    figures: dict[str, Any] = {"tokens": args.tokens}
+    figures: dict[str, Any] = {
+        "tokens": args.tokens,
+        "native": TrajectoryCodec().native,
+    }
     ratios: dict[str, float] = {}
     for turns, suffix in ((8, ""), (32, "_32_turns")):
         t = make_trajectory(args.tokens, rng=np.random.default_rng(0), turns=turns)
@@ -100,6 +107,7 @@ def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
         figures[f"rlstream_us_per_record{suffix}"] = 1e6 / r["rlstream"]
         ratios[f"vs_pickle{suffix}"] = r["rlstream"] / r["pickle"]
         ratios[f"vs_avro_arrays{suffix}"] = r["rlstream"] / r["avro_arrays"]
+        ratios[f"vs_python{suffix}"] = r["rlstream"] / r["rlstream_python"]
     return {
         "bench": "codec",
         "figures": figures,

@@ -32,6 +32,10 @@ def versions() -> dict[str, str]:
     except ImportError:
         out["librdkafka"] = "missing"
     out["kafka (local broker)"] = kafka_version()
+    from pipeline.records.avro_program import native_available
+
+    # the C codec is compiled at install time where a C compiler is found
+    out["record codec"] = "C" if native_available() else "Python"
     out["python"] = platform.python_version()
     return out
 

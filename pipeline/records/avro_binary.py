@@ -7,11 +7,17 @@ type, every primitive inlined, one-byte integers on a fast path).
 
 Named record types can be mapped to Python types both ways: ``adapters[name](obj)``
 returns the field values to write, in schema order, and ``factories[name](*values)``
-builds the object read. ``shortcuts[name]`` is a pair of hand-written functions tried
-first for the common shape of a type (``writer(out, obj) -> bool``, ``reader(buf, pos)
--> (obj, pos) | None``): when they decline, the generated code runs. Records are
-otherwise written from dicts, tuples in field order, or objects with attributes named
-like the fields, and read as dicts.
+builds the object read. ``shortcuts[name]`` is a :class:`Shortcut`, a pair of
+hand-written functions tried first for the common shape of a type (``writer(out, obj) ->
+bool``, ``reader(buf, pos) -> (obj, pos) | None``): when they decline, the generated code
+runs. Records are otherwise written from dicts, tuples in field order, or objects with
+attributes named like the fields, and read as dicts.
+
+Where the C extension :mod:`pipeline.records._avro_native` was built (at install time,
+with a C compiler), it runs the same writer and reader from a program of nodes
+(:mod:`pipeline.records.avro_program`), about three times faster; the generated Python
+is its reference (a test holds the two to the same bytes, values and refusals) and its
+fallback. ``RLSTREAM_AVRO_NATIVE=0`` turns it off.
 
 The reader is defensive: every length and count prefix is checked against the bytes that
 are left, so corrupt input fails fast with :class:`RecordDecodeError` and never
@@ -28,6 +34,12 @@ from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
 from pipeline.errors import RecordDecodeError
+from pipeline.records.avro_program import (
+    Shortcut,
+    native_available,
+    native_program,
+    union_branches,
+)
 
 _INT_MIN, _INT_MAX = -(2**31), 2**31 - 1
 _LONG_MIN, _LONG_MAX = -(2**63), 2**63 - 1
@@ -63,6 +75,8 @@ def read_long(buf: bytes, pos: int) -> tuple[int, int]:
         pos += 1
         n |= (b & 0x7F) << shift
         shift += 7
+    if n >> 64:  # the tenth byte holds bit 63 alone
+        raise RecordDecodeError("invalid", "variable-length integer beyond 64 bits")
     return (n >> 1) ^ -(n & 1), pos
 
 
@@ -113,6 +127,8 @@ class CompiledSchema:
     """Writer and reader of one schema, given by its parsing canonical form.
 
     ``encode(datum, prefix=b"") -> bytes`` and ``decode(buf, pos=0) -> (datum, end)``.
+    ``native`` chooses the C extension (None: where it is available, see
+    :func:`native_available`); :attr:`native` tells which one runs.
     """
 
     def __init__(
@@ -120,23 +136,40 @@ class CompiledSchema:
         canonical_form: str,
         adapters: Mapping[str, Callable[[Any], tuple[Any, ...]]] | None = None,
         factories: Mapping[str, Callable[..., Any]] | None = None,
-        shortcuts: Mapping[str, tuple[Callable[..., Any], Callable[..., Any]]] | None = None,
+        shortcuts: Mapping[str, Shortcut] | None = None,
+        *,
+        native: bool | None = None,
     ) -> None:
+        schema = json.loads(canonical_form)
         gen = _Generator(dict(adapters or {}), dict(factories or {}), dict(shortcuts or {}))
-        top = gen.named_type(json.loads(canonical_form))
+        top = gen.named_type(schema)
         namespace = dict(_HELPERS, **gen.env)
         exec(compile("\n".join(gen.source), f"<avro {top}>", "exec"), namespace)
         self.source = "\n".join(gen.source)
         self._write: Callable[[bytearray, Any], None] = namespace[f"w_{top}"]
         self._read: Callable[[bytes, int], tuple[Any, int]] = namespace[f"r_{top}"]
+        if native is None:
+            native = native_available() and all(s.native for s in (shortcuts or {}).values())
+        self._native: Any = None
+        if native:
+            self._native = native_program(schema, adapters or {}, factories or {}, shortcuts or {})
+
+    @property
+    def native(self) -> bool:
+        """Whether the C extension runs this schema."""
+        return self._native is not None
 
     def encode(self, datum: Any, prefix: bytes = b"") -> bytes:
+        if self._native is not None:
+            return self._native.encode(datum, bytes(prefix))
         out = bytearray(prefix)
         self._write(out, datum)
         return bytes(out)
 
     def decode(self, buf: bytes, pos: int = 0) -> tuple[Any, int]:
         try:
+            if self._native is not None:
+                return self._native.decode(buf if type(buf) is bytes else bytes(buf), pos)
             return self._read(buf, pos)
         except IndexError:
             raise RecordDecodeError("truncated", "the bytes end before the record") from None
@@ -191,7 +224,7 @@ class _Generator:
         r = [f"def r_{ident}(buf, pos):"]
         shortcut = self.shortcuts.get(s["name"])
         if shortcut is not None:  # (writer(out, d) -> handled, reader(buf, pos) -> (v, pos) | None)
-            self.env[f"_sw_{ident}"], self.env[f"_sr_{ident}"] = shortcut
+            self.env[f"_sw_{ident}"], self.env[f"_sr_{ident}"] = shortcut.write, shortcut.read
             w.append(f"    if _sw_{ident}(out, d): return")
             r += [f"    _v = _sr_{ident}(buf, pos)", "    if _v is not None: return _v"]
         adapter = self.adapters.get(s["name"])
@@ -321,7 +354,7 @@ class _Generator:
                 f"{ind}out.append(0)",
             ]
         if kind == "union":
-            null, other = self._union_branches(s)
+            null, other = union_branches(s)
             return [
                 f"{ind}if {v} is None: out.append({null << 1})",
                 f"{ind}else:",
@@ -386,7 +419,7 @@ class _Generator:
         if kind in ("array", "map"):
             return self._read_blocks(s, kind, v, ind)
         if kind == "union":
-            null, other = self._union_branches(s)
+            null, other = union_branches(s)
             i = self.tmp("i")
             return [
                 *self.read("long", i, ind),
@@ -441,10 +474,3 @@ class _Generator:
             f"{ind}    for _ in range({c}):",
             *body,
         ]
-
-    @staticmethod
-    def _union_branches(s: list[Any]) -> tuple[int, int]:
-        if len(s) != 2 or "null" not in s:
-            raise ValueError("only unions of null and one other type are supported")
-        null = s.index("null")
-        return null, 1 - null

@@ -9,6 +9,7 @@ both the encoder (refusing to write) and the decoder (refusing to read) use.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -195,11 +196,12 @@ class Trajectory:
         return max((s.version for s in self.version_spans), default=-1)
 
 
-def find_violation(t: Trajectory) -> tuple[str, str] | None:
+def find_violation(t: Trajectory, *, native: bool = True) -> tuple[str, str] | None:
     """The first way ``t`` breaks the record contract, as ``(reason, message)``, or None.
 
     Reasons are those of :class:`pipeline.errors.RecordDecodeError`. Cost is a few
-    vectorised passes over the arrays, no per-token Python work.
+    vectorised passes over the arrays, no per-token Python work; where the C extension
+    ``_contract_native`` is built (and ``native``), one call makes every array pass.
     """
     if t.group_size < 1 or not 0 <= t.group_index < t.group_size:
         return "invalid", f"group_index {t.group_index} outside group_size {t.group_size}"
@@ -217,28 +219,32 @@ def find_violation(t: Trajectory) -> tuple[str, str] | None:
             "invalid",
             f"dtypes must be int32/uint8/float32, got {tokens.dtype}/{mask.dtype}/{logprobs.dtype}",
         )
+    turns = t.turns
+    if native and _scan is not None and type(turns) is Turns:
+        found = _scan(mask, logprobs, t.version_spans, turns.roles, turns.starts, turns.ends, 5)
+        if found is not NotImplemented:
+            return _scanned(t, found, n)
     # argmax and argmin stop at the first NaN and are the cheapest full passes numpy has
     if n and mask[mask.argmax()] > 1:
-        return "invalid", "loss_mask holds values other than 0 and 1"
-    if not math.isfinite(t.reward) or not all(math.isfinite(v) for v in t.rewards.values()):
-        return "non_finite", f"reward {t.reward!r} or a reward component is not finite"
+        return _MASK
+    if not _rewards_finite(t):
+        return _rewards_violation(t)
     if n and not (
         math.isfinite(logprobs[logprobs.argmax()]) and math.isfinite(logprobs[logprobs.argmin()])
     ):
-        return "non_finite", "logprobs hold NaN or infinity"
+        return _LOGPROBS
     if t.status not in STATUSES:
-        return "bad_enum", f"unknown status {t.status!r}"
+        return _status_violation(t)
     covered, prev_end = 0, 0
     for s in t.version_spans:
         if not prev_end <= s.start < s.end <= n or s.version < 0:
-            return "bad_span", f"version span {tuple(s)} out of order or outside [0, {n})"
+            return _span_violation(s, n)
         covered += int(np.count_nonzero(mask[s.start : s.end]))
         prev_end = s.end
     if covered != np.count_nonzero(mask):
-        return "bad_span", "version spans do not cover every policy token"
-    turns = t.turns
+        return _COVER
     if isinstance(turns, Turns):
-        return _turns_violation(turns, n)
+        return _turn_columns_violation(turns) or _turns_violation(turns, n)
     prev_end = 0
     for turn in turns:
         if turn.role not in ROLES:
@@ -249,7 +255,67 @@ def find_violation(t: Trajectory) -> tuple[str, str] | None:
     return None
 
 
-def _turns_violation(turns: Turns, n: int) -> tuple[str, str] | None:
+_MASK = "invalid", "loss_mask holds values other than 0 and 1"
+_LOGPROBS = "non_finite", "logprobs hold NaN or infinity"
+_COVER = "bad_span", "version spans do not cover every policy token"
+
+
+def _rewards_finite(t: Trajectory) -> bool:
+    return math.isfinite(t.reward) and all(math.isfinite(v) for v in t.rewards.values())
+
+
+def _rewards_violation(t: Trajectory) -> tuple[str, str]:
+    return "non_finite", f"reward {t.reward!r} or a reward component is not finite"
+
+
+def _status_violation(t: Trajectory) -> tuple[str, str]:
+    return "bad_enum", f"unknown status {t.status!r}"
+
+
+def _span_violation(s: VersionSpan, n: int) -> tuple[str, str]:
+    return "bad_span", f"version span {tuple(s)} out of order or outside [0, {n})"
+
+
+def _scanned(t: Trajectory, found: tuple[int, int] | None, n: int) -> tuple[str, str] | None:
+    """find_violation's answer from the C scan's (same checks, same order)."""
+    check, index = found or (0, 0)
+    if check == _native.MASK:
+        return _MASK
+    if not _rewards_finite(t):
+        return _rewards_violation(t)
+    if check == _native.LOGPROBS:
+        return _LOGPROBS
+    if t.status not in STATUSES:
+        return _status_violation(t)
+    if check == _native.SPAN:
+        return _span_violation(t.version_spans[index], n)
+    if check == _native.COVER:
+        return _COVER
+    turns = t.turns
+    assert isinstance(turns, Turns)
+    columns = _turn_columns_violation(turns)
+    if columns is not None or not check:
+        return columns
+    if check == _native.ROLE:
+        return _role_violation(index)
+    return _turn_violation(turns, index, n)
+
+
+def _role_violation(role: int) -> tuple[str, str]:
+    return "bad_enum", f"unknown role number {role}"
+
+
+def _turn_violation(turns: Turns, index: int, n: int) -> tuple[str, str]:
+    if len(turns) > _FEW_TURNS:
+        return "bad_span", f"turns out of order or outside [0, {n}]"
+    start, end = int(turns.starts[index]), int(turns.ends[index])
+    return "bad_span", f"turn [{start}:{end}] out of order or outside [0, {n}]"
+
+
+_FEW_TURNS = 32
+
+
+def _turn_columns_violation(turns: Turns) -> tuple[str, str] | None:
     roles, starts, ends, latency = turns.roles, turns.starts, turns.ends, turns.latency_s
     count = roles.shape[0] if roles.ndim == 1 else -1
     if (
@@ -267,15 +333,22 @@ def _turns_violation(turns: Turns, n: int) -> tuple[str, str] | None:
         or len(turns.tool_names) not in (0, count)
     ):
         return "length_mismatch", "turn columns (roles, starts, ends, latency, tools) disagree"
+    return None
+
+
+def _turns_violation(turns: Turns, n: int) -> tuple[str, str] | None:
+    """Roles and order of turn columns that :func:`_turn_columns_violation` passed."""
+    roles, starts, ends = turns.roles, turns.starts, turns.ends
+    count = roles.shape[0]
     if not count:
         return None
     if roles[roles.argmax()] >= len(ROLES):
-        return "bad_enum", f"unknown role number {int(roles.max())}"
-    if count <= 32:  # cheaper in Python than in numpy, which costs microseconds per call
+        return _role_violation(int(roles.max()))
+    if count <= _FEW_TURNS:  # cheaper in Python than in numpy, which costs microseconds per call
         prev_end = 0
-        for start, end in zip(starts.tolist(), ends.tolist(), strict=True):
+        for i, (start, end) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
             if not prev_end <= start <= end <= n:
-                return "bad_span", f"turn [{start}:{end}] out of order or outside [0, {n}]"
+                return _turn_violation(turns, i, n)
             prev_end = end
         return None
     # starts[0] <= ends[0] <= starts[1] <= ... <= ends[-1], as one sequence
@@ -283,5 +356,21 @@ def _turns_violation(turns: Turns, n: int) -> tuple[str, str] | None:
     bounds[0::2] = starts
     bounds[1::2] = ends
     if bounds[0] < 0 or bounds[-1] > n or np.diff(bounds).min() < 0:
-        return "bad_span", f"turns out of order or outside [0, {n}]"
+        return _turn_violation(turns, 0, n)
     return None
+
+
+try:
+    from pipeline.records import _contract_native as _native  # type: ignore[attr-defined]
+except ImportError:  # installed without a C compiler: numpy alone
+    _native = None
+
+
+def use_native_scan(on: bool) -> None:
+    """Whether :func:`find_violation` uses the C scan where it is built (tests compare)."""
+    global _scan
+    _scan = _native.scan if on and _native is not None else None
+
+
+_scan: Any = None
+use_native_scan(os.environ.get("RLSTREAM_AVRO_NATIVE", "1") != "0")

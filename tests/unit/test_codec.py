@@ -338,19 +338,18 @@ def test_tensor_shortcuts_write_and_read_what_the_generated_code_does(dtype: str
     """The hand-written 1-D path and the code generated from the schema agree byte for
     byte, and each reads the other's bytes."""
     from pipeline.records.avro_binary import CompiledSchema
-    from pipeline.records.codec import (
-        DTYPES,
-        _read_tensor_1d,
-        _tensor_fields,
-        _write_tensor_1d,
-        tensor_from_avro,
-    )
+    from pipeline.records.tensor import DTYPES, tensor_fields, tensor_from_avro
+    from pipeline.records.tensor import read_tensor_1d as _read_tensor_1d
+    from pipeline.records.tensor import write_tensor_1d as _write_tensor_1d
 
     canonical = default_store().reader("Tensor").canonical_form
     generic = CompiledSchema(
-        canonical, {"rlstream.Tensor": _tensor_fields}, {"rlstream.Tensor": tensor_from_avro}
+        canonical,
+        {"rlstream.Tensor": tensor_fields},
+        {"rlstream.Tensor": tensor_from_avro},
+        native=False,
     )
-    plain_codec = CompiledSchema(canonical)  # the same schema, read as plain dicts
+    plain_codec = CompiledSchema(canonical, native=False)  # the same schema, as plain dicts
     array = np.arange(n).astype(DTYPES[dtype])
 
     out = bytearray()
