@@ -236,12 +236,12 @@ put_record(Program *p, Node *node, PyObject *d, Out *o)
             return r < 0 ? -1 : 0;
     }
     Py_ssize_t n = node->nfields;
-    PyObject *values = NULL; /* a tuple or list of the field values, or NULL */
+    PyObject *values = NULL; /* a tuple of the field values, or NULL */
     if (node->adapter != NULL) {
         PyObject *v = PyObject_CallOneArg(node->adapter, d);
         if (v == NULL)
             return -1;
-        values = PySequence_Fast(v, "a record adapter must return a sequence");
+        values = PyTuple_Check(v) ? Py_NewRef(v) : PySequence_Tuple(v);
         Py_DECREF(v);
         if (values == NULL)
             return -1;
@@ -249,9 +249,9 @@ put_record(Program *p, Node *node, PyObject *d, Out *o)
     else if (PyTuple_Check(d)) {
         values = Py_NewRef(d);
     }
-    if (values != NULL && PySequence_Fast_GET_SIZE(values) != n) {
+    if (values != NULL && PyTuple_GET_SIZE(values) != n) {
         PyErr_Format(PyExc_ValueError, "record %S has %zd fields, got %zd values", node->name, n,
-                     PySequence_Fast_GET_SIZE(values));
+                     PyTuple_GET_SIZE(values));
         Py_DECREF(values);
         return -1;
     }
@@ -260,7 +260,7 @@ put_record(Program *p, Node *node, PyObject *d, Out *o)
         PyObject *name = PyTuple_GET_ITEM(node->names, k);
         PyObject *v;
         if (values != NULL) {
-            v = Py_NewRef(PySequence_Fast_GET_ITEM(values, k));
+            v = Py_NewRef(PyTuple_GET_ITEM(values, k));
         }
         else if (PyDict_CheckExact(d)) {
             v = PyDict_GetItemWithError(d, name);
@@ -349,16 +349,17 @@ put_value(Program *p, Node *node, PyObject *d, Out *o)
         return put_long(o, PyLong_AsLongLong(i));
     }
     case K_ARRAY: {
-        PyObject *items = PySequence_Fast(d, "an array field needs a sequence");
+        /* a tuple: writing an item may run Python code, which could change a list */
+        PyObject *items = PyTuple_Check(d) ? Py_NewRef(d) : PySequence_Tuple(d);
         if (items == NULL)
             return -1;
-        Py_ssize_t c = PySequence_Fast_GET_SIZE(items);
+        Py_ssize_t c = PyTuple_GET_SIZE(items);
         int r = 0;
         if (c) {
             r = put_long(o, c);
             Node *item = &p->nodes[node->child];
             for (Py_ssize_t k = 0; k < c && r == 0; k++)
-                r = put_value(p, item, PySequence_Fast_GET_ITEM(items, k), o);
+                r = put_value(p, item, PyTuple_GET_ITEM(items, k), o);
         }
         Py_DECREF(items);
         return r < 0 ? -1 : put_long(o, 0);

@@ -301,3 +301,25 @@ def test_the_contract_finds_each_violation_alike_on_long_records() -> None:
         assert c == py, k
         found.add(c[1] if c else None)
     assert len(found) >= 8  # every kind of violation came up
+
+
+def test_a_list_emptied_while_it_is_written_is_written_as_it_was() -> None:
+    """Writing an item may run Python code (``__index__`` here) that changes the list
+    being written: the C writer works on a copy, so the record stays whole and memory
+    safe."""
+
+    class Clears:
+        def __init__(self, victim: list[Any]) -> None:
+            self.victim = victim
+
+        def __index__(self) -> int:
+            self.victim.clear()
+            return 1
+
+    canonical = default_store().reader("Tensor").canonical_form
+    c = CompiledSchema(canonical, native=True)
+    shape: list[Any] = [2, 3]
+    shape.insert(0, Clears(shape))
+    data = c.encode({"dtype": "uint8", "shape": shape, "data": b"\x00" * 6})
+    assert shape == []
+    assert c.decode(data)[0]["shape"] == [1, 2, 3]
