@@ -36,6 +36,8 @@ def register(sub: Any) -> None:
 
 
 def cmd_produce(args: argparse.Namespace) -> int:
+    # first: a SIGTERM while JAX loads stops the producer cleanly when it starts
+    stop = StopFlag().install()
     from connectors import stats as connector_stats
     from pipeline.kafka.topics import ensure_topics, namespace_topics
     from pipeline.rollout.config import ProducerConfig
@@ -58,7 +60,6 @@ def cmd_produce(args: argparse.Namespace) -> int:
     topic_env = env_name(cfg.env, cfg.env_kwargs)
     kafka = kafka_config(args)
     ensure_topics(kafka, namespace_topics(cfg.namespace, [topic_env], cfg.partitions))
-    stop = StopFlag().install()
     start = time.monotonic()
     status = StatusFile(cfg.status_file) if cfg.status_file else None
 

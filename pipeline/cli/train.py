@@ -42,6 +42,8 @@ def register(sub: Any) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    # first: a SIGTERM while JAX loads stops the trainer cleanly (exit 0) when it starts
+    stop = StopFlag().install()
     from pipeline.train.config import TrainerConfig
     from pipeline.train.trainer import Trainer
 
@@ -56,7 +58,6 @@ def cmd_train(args: argparse.Namespace) -> int:
             Path(args.from_file), cfg.member_index, cfg.members, cfg.groups_per_batch
         )
         print(f"training from {args.from_file}: {len(source)} records", flush=True)
-    stop = StopFlag().install()
     start = time.monotonic()
 
     first_step: list[int] = []

@@ -114,10 +114,13 @@ def test_bench_codec_prints_ratios() -> None:
     assert set(out["ratios"]) == {
         "vs_pickle",
         "vs_avro_arrays",
+        "vs_python",
         "vs_pickle_32_turns",
         "vs_avro_arrays_32_turns",
+        "vs_python_32_turns",
     }
     assert all(v > 0 for v in out["ratios"].values())
+    assert out["figures"]["native"] is True  # the C codec, built at install
 
 
 def test_bench_transport_runs_next_to_kafka_tools(bootstrap: str) -> None:

@@ -219,6 +219,8 @@ def test_sigkilled_trainer_trains_every_trajectory_at_most_once_and_loses_none(
             trainer.wait(30)
             kills += 1
         assert producer.wait(300) == 0
+        log.flush()
+        started_at = (tmp_path / "trainer.log").stat().st_size
         trainer = subprocess.Popen(train, stdout=log, stderr=log)
         produced = {}
         reader = TrajectoryReader(kafka, [rollout_topic(namespace, "guess")], f"{namespace}.all")
@@ -236,6 +238,12 @@ def test_sigkilled_trainer_trains_every_trajectory_at_most_once_and_loses_none(
         deadline = time.monotonic() + 240
         while set(accounted()) != set(produced) and time.monotonic() < deadline:
             time.sleep(2)
+        # the last trainer has written its first line, so its stop handler is installed
+        # (the first thing it does): if the others trained everything, SIGTERM must not
+        # find it still loading
+        while (tmp_path / "trainer.log").stat().st_size == started_at:
+            assert time.monotonic() < deadline + 60, "the last trainer wrote nothing"
+            time.sleep(0.5)
         trainer.send_signal(signal.SIGTERM)
         assert trainer.wait(60) == 0
     finally:
