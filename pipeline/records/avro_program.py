@@ -38,9 +38,14 @@ class Shortcut(NamedTuple):
     native: tuple[str, Sequence[Any]] | None = None
 
 
+def native_enabled() -> bool:
+    """Whether the C paths of the records are allowed (not ``RLSTREAM_AVRO_NATIVE=0``)."""
+    return os.environ.get("RLSTREAM_AVRO_NATIVE", "1") != "0"
+
+
 def native_available() -> bool:
-    """Whether the C extension is built and not turned off (``RLSTREAM_AVRO_NATIVE=0``)."""
-    return _avro_native is not None and os.environ.get("RLSTREAM_AVRO_NATIVE", "1") != "0"
+    """Whether the C codec is built and not turned off (``RLSTREAM_AVRO_NATIVE=0``)."""
+    return _avro_native is not None and native_enabled()
 
 
 def union_branches(s: list[Any]) -> tuple[int, int]:

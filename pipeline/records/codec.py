@@ -255,7 +255,7 @@ class TrajectoryCodec:
 
     def __init__(self, store: SchemaStore | None = None, *, native: bool | None = None) -> None:
         """``native``: the C codec (True), its Python reference (False) or the C codec
-        where it is built (None, see :func:`pipeline.records.avro_binary.native_available`)."""
+        where it is built (None, see :func:`pipeline.records.avro_program.native_available`)."""
         self._avro = AvroCodec(
             "Trajectory",
             store,

@@ -9,12 +9,13 @@ both the encoder (refusing to write) and the decoder (refusing to read) use.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from pipeline.records.avro_program import native_enabled
 
 ROLES = ("system", "user", "assistant", "tool", "environment")
 STATUSES = ("ok", "truncated", "env_error", "timeout")
@@ -365,12 +366,5 @@ try:
 except ImportError:  # installed without a C compiler: numpy alone
     _native = None
 
-
-def use_native_scan(on: bool) -> None:
-    """Whether :func:`find_violation` uses the C scan where it is built (tests compare)."""
-    global _scan
-    _scan = _native.scan if on and _native is not None else None
-
-
-_scan: Any = None
-use_native_scan(os.environ.get("RLSTREAM_AVRO_NATIVE", "1") != "0")
+#: the C scan, where it is built and not turned off (``RLSTREAM_AVRO_NATIVE=0``)
+_scan: Any = _native.scan if _native is not None and native_enabled() else None

@@ -272,13 +272,7 @@ def corrupt(t: Trajectory, rng: random.Random) -> Trajectory:
 
 
 def both_contracts(t: Trajectory) -> tuple[Any, Any]:
-    try:
-        contract.use_native_scan(True)
-        c = find_violation(t)
-        contract.use_native_scan(False)
-        return c, find_violation(t)
-    finally:
-        contract.use_native_scan(True)
+    return find_violation(t, native=True), find_violation(t, native=False)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
