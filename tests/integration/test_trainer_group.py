@@ -1,11 +1,13 @@
 """A trainer group of two processes (one JAX job, one consumer group) on a real broker:
 SIGKILLed again and again, restarted as a whole, it trains every record at most once and
-loses none; and ``rlstream run --trainers 2`` runs the pipeline with one."""
+loses none; and ``rlstream run --trainers 2`` runs the pipeline with one (training LoRA
+adapters over both members)."""
 
 from __future__ import annotations
 
 import json
 import random
+import re
 import signal
 import subprocess
 import time
@@ -160,8 +162,10 @@ def test_a_sigkilled_trainer_group_trains_every_record_at_most_once_and_loses_no
 def test_the_run_starts_a_group_of_two_trainers_and_restarts_it_whole(
     bootstrap: str, tmp_path: Path
 ) -> None:
-    """``rlstream run --trainers 2``: member 1 is SIGKILLed once its first step is done;
-    the run restarts both members from the checkpoint and completes its steps."""
+    """``rlstream run --trainers 2`` training LoRA adapters: member 1 is SIGKILLed once
+    its first step is done; the run restarts both members from the checkpoint and
+    completes its steps; what the group announced are adapters on one base, which the
+    producer loaded."""
     run_dir = tmp_path / "run"
     cmd = cli(
         "run",
@@ -183,6 +187,8 @@ def test_the_run_starts_a_group_of_two_trainers_and_restarts_it_whole(
         "0",
         "--restarts",
         "1",
+        "--lora.rank",
+        "4",
         "--json",
     )
     run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -213,3 +219,11 @@ def test_the_run_starts_a_group_of_two_trainers_and_restarts_it_whole(
     assert steps[-1] == 6
     seen = outcomes(run_ledger(run_dir))
     assert all(len(v) == 1 for v in seen.values())  # nothing settled twice across the restart
+    # the group announced adapters on the one base it saved, and the producer took them
+    producer_log = (run_dir / "logs" / "producer-0.log").read_text()
+    assert "weights base loaded" in producer_log
+    loaded = [int(v) for v in re.findall(r"weights loaded version=(\d+)", producer_log)]
+    assert loaded and max(loaded) >= 1
+    meta = json.loads((run_dir / "weights" / f"v{max(loaded)}" / "rlstream.json").read_text())
+    assert meta["lora"]["rank"] == 4
+    assert meta["base"]["uri"] == str((run_dir / "weights" / "base").absolute())
