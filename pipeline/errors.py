@@ -8,6 +8,8 @@ will not start) are raised loudly with a message that says what to do.
 
 from __future__ import annotations
 
+import math
+
 
 class RlstreamError(Exception):
     """Root of every error rlstream raises on purpose."""
@@ -15,6 +17,24 @@ class RlstreamError(Exception):
 
 class InvalidConfigError(RlstreamError, ValueError):
     """A configuration value is out of range or inconsistent; the message names it."""
+
+
+def check_range(
+    name: str, value: float, low: float = -math.inf, high: float = math.inf, *, above: bool = False
+) -> None:
+    """Refuses a setting that is not a finite number in ``[low, high]`` (``(low, high]``
+    with ``above``): a NaN learning rate or a negative timeout is an error, not a run."""
+    ok = isinstance(value, (int, float)) and math.isfinite(value)
+    ok = ok and (value > low if above else value >= low) and value <= high
+    if not ok:
+        op = ">" if above else ">="
+        if high == math.inf:
+            bound = f"{op} {low:g}"
+        elif low == -math.inf:
+            bound = f"<= {high:g}"
+        else:
+            bound = f"in {'(' if above else '['}{low:g}, {high:g}]"
+        raise InvalidConfigError(f"{name} must be a finite number {bound}, got {value!r}")
 
 
 class RecordDecodeError(RlstreamError, ValueError):
@@ -28,7 +48,10 @@ class RecordDecodeError(RlstreamError, ValueError):
       registry's framing (``00``);
     - ``unknown_schema``: the writer schema's fingerprint is not known to this reader, or
       its registry id could not be resolved (no ``--schema-registry``, an id the registry
-      lacks, a registry that does not answer);
+      lacks or holds no Avro schema under);
+    - ``registry_unavailable``: the schema registry did not answer, or answered with an
+      error, when asked for the record's schema id (:class:`RegistryUnavailableError`:
+      the record may well be valid, and a trainer holds it until the registry answers);
     - ``bad_length``: a length or count prefix is negative or larger than the bytes left;
     - ``trailing_bytes``: bytes remain after the record;
     - ``tensor_mismatch``: a Tensor's dtype and shape disagree with its data length;
@@ -58,6 +81,7 @@ DECODE_REASONS = (
     "truncated",
     "bad_marker",
     "unknown_schema",
+    "registry_unavailable",
     "bad_length",
     "trailing_bytes",
     "tensor_mismatch",
@@ -77,6 +101,14 @@ DECODE_REASONS = (
     "env_mismatch",
     "internal",
 )
+
+
+class RegistryUnavailableError(RecordDecodeError):
+    """The record's writer schema could not be asked for now: it says nothing about the
+    record, which a reader that must not lose it reads again later."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("registry_unavailable", message)
 
 
 class TrainingDivergedError(RlstreamError):

@@ -403,6 +403,7 @@ class RecordingSource:
         self._pos = 0
         self._on_assign: Any = None
         self._assigned = False
+        self._paused = False
         self._bounds: dict[tuple[str, int], tuple[int, int]] = {}
         for m in self._messages:
             tp, offset = (m.topic(), m.partition()), m.offset()
@@ -429,9 +430,18 @@ class RecordingSource:
         if not self._assigned and self._on_assign is not None:
             self._on_assign(self, self.assignment())
             self._assigned = True
+        if self._paused:  # as Kafka's consumer: nothing, after the timeout
+            time.sleep(max(0.0, min(timeout, 0.2)))
+            return []
         batch = self._messages[self._pos : self._pos + num_messages]
         self._pos += len(batch)
         return batch
+
+    def pause(self, partitions: Any) -> None:
+        self._paused = True
+
+    def resume(self, partitions: Any) -> None:
+        self._paused = False
 
     def get_watermark_offsets(self, tp: Any, timeout: float = 0, cached: bool = False) -> Any:
         return self._bounds.get((tp.topic, tp.partition), (0, 0))

@@ -18,7 +18,7 @@ from typing import Any
 from fastavro.schema import fingerprint as _fingerprint
 from fastavro.schema import parse_schema, to_parsing_canonical_form
 
-from pipeline.errors import RecordDecodeError
+from pipeline.errors import RecordDecodeError, RegistryUnavailableError
 from pipeline.records.registry import RegistryError, SchemaRegistry
 
 #: Schema files in dependency order (a file may use named types of the ones before it).
@@ -163,8 +163,9 @@ class SchemaStore:
 
     def writer_by_id(self, schema_id: int) -> Schema:
         """The writer schema of a Confluent-framed record, through the registry (cached).
-        Raises :class:`RecordDecodeError` (``unknown_schema``) when there is no registry,
-        when it has no such id, or when it does not answer."""
+        Raises :class:`RecordDecodeError` (``unknown_schema``) when there is no registry
+        or when it has no such id, and :class:`RegistryUnavailableError` when it does not
+        answer (or answers with an error): the record may be valid."""
         schema = self._by_id.get(schema_id)
         if schema is not None:
             return schema
@@ -177,7 +178,7 @@ class SchemaStore:
         try:
             text = self._registry.schema_text(schema_id)
         except RegistryError as e:
-            raise RecordDecodeError("unknown_schema", str(e)) from None
+            raise RegistryUnavailableError(f"schema id {schema_id}: {e}") from None
         if text is None:
             raise RecordDecodeError(
                 "unknown_schema", f"schema id {schema_id} is not in {self._registry!r}"

@@ -14,6 +14,11 @@ bytes and the reason, to ``<ns>.deadletter``. A letter that would not fit in a K
 message keeps only a prefix of the value (its full size in the message and the
 ``rlstream.value_size`` header); one the client or the broker still refuses is logged
 and counted. Either way the caller settles the record.
+
+:class:`HeldRecords` keeps the records the judge could not decide because the schema
+registry did not answer for their schema id (``registry_unavailable``): they may be
+valid, so they are neither refused nor settled (the committed position stays below
+them) and are judged again every few seconds until the registry answers.
 """
 
 from __future__ import annotations
@@ -23,11 +28,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pipeline.errors import RecordDecodeError
+from pipeline.errors import RecordDecodeError, RegistryUnavailableError
 from pipeline.kafka.client import MAX_MESSAGE_BYTES
 from pipeline.kafka.topics import deadletter_topic
 from pipeline.observe.telemetry import span
 from pipeline.records.codec import AvroCodec, TrajectoryCodec, TrajectoryHeaders
+from pipeline.records.registry import DOWN_S
 from pipeline.records.trajectory import Trajectory
 from pipeline.train.contract import RecordContract
 
@@ -154,3 +160,69 @@ class DeadLetters:
         if err is not None:
             self.failures += 1
             log.warning("dead letter not delivered error=%s", err.str())
+
+
+class HeldRecords:
+    """Records waiting for the schema registry, in the order they were read. ``due()``
+    hands them all back to be judged again once ``retry_s`` passed since they were last
+    tried; ``full`` (``limit`` held) tells the reader to pause fetching until they drain.
+    """
+
+    def __init__(self, limit: int, retry_s: float = DOWN_S) -> None:
+        self.limit = max(1, limit)
+        self.retry_s = retry_s
+        self._held: list[Any] = []
+        self._next_try = 0.0
+        self.total = 0  # records ever held (the same record held again counts again)
+        self._since: float | None = None  # when the registry stopped answering
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    @property
+    def full(self) -> bool:
+        return len(self._held) >= self.limit
+
+    def hold(self, m: Any, e: RegistryUnavailableError) -> None:
+        if self._since is None:
+            self._since = time.monotonic()
+            log.warning(
+                "records held until the schema registry answers (judged again every "
+                "%.0f s, reading paused at %d held): %s",
+                self.retry_s,
+                self.limit,
+                e.detail[:300],
+            )
+        if not self._held:
+            self._next_try = time.monotonic() + self.retry_s
+        self._held.append(m)
+        self.total += 1
+
+    def due(self) -> list[Any]:
+        """The held records, taken out, when it is time to judge them again (else none).
+        Those the registry still cannot resolve are held again by the caller."""
+        if not self._held or time.monotonic() < self._next_try:
+            return []
+        out, self._held = self._held, []
+        return out
+
+    def settled(self) -> None:
+        """Called after judging what ``due()`` gave: logs the registry's return."""
+        if not self._held and self._since is not None:
+            log.info(
+                "the schema registry answers again after %.0f s: held records judged",
+                time.monotonic() - self._since,
+            )
+            self._since = None
+
+    def drop_partitions(self, tps: set[tuple[str, int]]) -> int:
+        """Let go of the held records of revoked partitions (read again by their new
+        owner); returns how many."""
+        keep = [m for m in self._held if (m.topic(), m.partition()) not in tps]
+        dropped = len(self._held) - len(keep)
+        self._held = keep
+        return dropped
+
+    def clear(self) -> int:
+        dropped, self._held = len(self._held), []
+        return dropped

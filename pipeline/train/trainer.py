@@ -34,7 +34,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from pipeline.errors import InvalidConfigError, RecordDecodeError, TrainingDivergedError
+from pipeline.errors import (
+    InvalidConfigError,
+    RecordDecodeError,
+    RegistryUnavailableError,
+    TrainingDivergedError,
+)
 from pipeline.kafka.client import KafkaConfig
 from pipeline.kafka.topics import ROLLOUTS, env_of
 from pipeline.kafka.transport import Coordinates
@@ -60,7 +65,7 @@ from pipeline.train.batching import (
 from pipeline.train.config import TrainerConfig
 from pipeline.train.contract import RecordContract
 from pipeline.train.grpo import init_state, make_train_step
-from pipeline.train.intake import DeadLetters, RecordJudge
+from pipeline.train.intake import DeadLetters, HeldRecords, RecordJudge
 from pipeline.train.members import Members
 from pipeline.train.mesh import batch_sharding, make_mesh, state_shardings
 from pipeline.train.positions import PositionTracker
@@ -155,6 +160,9 @@ class Trainer:
             cfg.min_logprob,
         )
         self.judge = RecordJudge(contract, self.tokenizer.id, cfg.max_record_bytes)
+        #: records waiting for the schema registry to answer for their schema id
+        self.held = HeldRecords(cfg.max_buffered)
+        self.reading_paused = False  # fetching paused while held records are at their limit
         self.commit_failures = 0
         self.consumer_renewals = 0  # consumers replaced after a fatal error
         #: why the consumer failed for good (a fatal error), until a new one replaces it
@@ -286,6 +294,8 @@ class Trainer:
         )
         dropped = self.buffer.clear() + self.ready.clear()
         self.buffer.forget_done(g.group_id for g in dropped)
+        self.held.clear()
+        self.reading_paused = False
         self.tracker = PositionTracker.from_json(self.tracker.to_json())  # pending let go
         try:
             self.consumer.close()
@@ -350,6 +360,7 @@ class Trainer:
     def _on_revoke(self, consumer: Any, partitions: list[Any]) -> None:
         tps = {(p.topic, p.partition) for p in partitions}
         dropped = self.buffer.drop_partitions(tps)  # their new owner reads them again
+        self.held.drop_partitions(tps)
         for tp in tps:
             self.tracker.forget(tp)
         log.info("revoked partitions=%d buffered_groups_released=%d", len(tps), len(dropped))
@@ -376,13 +387,17 @@ class Trainer:
                 with span("consume", "kafka"):
                     msgs = self.consumer.consume(256, 0.2 if starving else 0)
                 t1 = time.perf_counter()
+                msgs = self.held.due() + msgs  # held records first: they were read first
                 if msgs:
                     with span("intake", "kafka", records=len(msgs)):
                         for m in msgs:
                             self._intake(m)
+                    self.held.settled()
+                self._hold_back()
                 self.timers["consume"] += t1 - t0
                 self.timers["intake"] += time.perf_counter() - t1
-                for g in self.buffer.expired() if self.source is None else ():
+                # a group may be complete but for a member held for the registry
+                for g in self.buffer.expired() if self.source is None and not self.held else ():
                     self._drop_group(g, "incomplete_group")
                 for g in self.buffer.overflow():
                     self._drop_group(g, "buffer_full")
@@ -422,7 +437,7 @@ class Trainer:
         stop = self.stop_event.is_set() or (
             self.cfg.max_steps is not None and step >= self.cfg.max_steps
         )
-        exhausted = self.source is not None and self.source.exhausted
+        exhausted = self.source is not None and self.source.exhausted and not self.held
         timed_out = (
             self.source is None
             and len(self.ready) > 0
@@ -482,6 +497,8 @@ class Trainer:
             metric("kafka_latency_s", time.time() - where.timestamp_ms / 1000, env=env)
         # (a recording has no bound on versions: it is trained from version 0 again)
         verdict = self.judge(m, self._stale, None if self.source is not None else self.version)
+        if isinstance(verdict, RegistryUnavailableError):  # it may be valid: not settled
+            return self.held.hold(m, verdict)
         if isinstance(verdict, RecordDecodeError):
             self.dead_letters.send(m, verdict)
             return self._drop(None, where, verdict.reason, env)
@@ -501,6 +518,15 @@ class Trainer:
         if group is not None:
             self.ready.put(group)
         return None
+
+    def _hold_back(self) -> None:
+        """Pause fetching while the held records are at their limit (the consumer stays
+        in its group: it is still polled); resume once they drain."""
+        full = self.held.full
+        if full or self.reading_paused:
+            parts = self.consumer.assignment()
+            (self.consumer.pause if full else self.consumer.resume)(parts)
+            self.reading_paused = full
 
     def _stale(self, min_version: int) -> bool:
         return self.version - min_version > self.cfg.max_staleness

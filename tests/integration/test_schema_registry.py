@@ -4,10 +4,16 @@ deserializer, by rlstream's readers with the registry, and refused without it.""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import socket
+import threading
+import time
+import urllib.parse
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,10 +26,12 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 from pipeline.kafka.client import KafkaConfig
 from pipeline.kafka.topics import ensure_topics, namespace_topics, rollout_topic
 from pipeline.kafka.transport import Decoded, Rejected, TrajectoryReader, TrajectoryWriter
+from pipeline.records.ledger import read_ledger
 from pipeline.records.registry import RegistryConfig, RegistryError, SchemaRegistry
 from pipeline.records.schema_store import default_store, parse
 from pipeline.records.trajectory import Trajectory, Turns
 from pipeline.testing import make_trajectory
+from pipeline.train.trainer import Trainer
 from tests.integration.test_broker import rlstream
 
 pytestmark = pytest.mark.integration
@@ -166,7 +174,7 @@ def test_without_the_registry_framed_records_are_refused_not_fatal(
     reader = TrajectoryReader(kafka, [rollout_topic(namespace, "math")], f"{namespace}.u")
     got = reader.read(2)
     reader.close()
-    assert all(isinstance(r, Rejected) and r.error.reason == "unknown_schema" for r in got)
+    assert all(isinstance(r, Rejected) and r.error.reason == "registry_unavailable" for r in got)
     assert "did not answer" in str(got[0].error)  # type: ignore[union-attr]
     assert "not asked again" in str(got[1].error)  # type: ignore[union-attr]
     assert dead.requests == 3
@@ -363,3 +371,82 @@ def test_version_1_then_version_2_in_one_subject_both_read(
             assert value["turn_roles"]["data"] == Turns.of(want.turns).roles.tobytes()
         else:
             assert value["turns"] == [turn._asdict() for turn in want.turns]
+
+
+class _Switch:
+    """A TCP path to the real registry that can be cut: while ``down``, every connection
+    is closed as soon as it is accepted (the client sees a dropped connection)."""
+
+    def __init__(self, target: str) -> None:
+        parsed = urllib.parse.urlsplit(target)
+        self._to = (parsed.hostname or "127.0.0.1", parsed.port or 80)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}{parsed.path}"
+        self.down = True
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            if self.down:
+                client.close()
+                continue
+            upstream = socket.create_connection(self._to, timeout=10)
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def test_a_trainer_holds_records_while_the_registry_is_down_and_trains_them_after(
+    kafka: KafkaConfig, namespace: str, schema_registry: SchemaRegistry, tmp_path: Path
+) -> None:
+    """Records framed for the registry, read while it does not answer, are not valid or
+    invalid: the trainer holds them (nothing dead-lettered, dropped, settled or
+    committed), pauses reading at its bound, and trains every one once it answers."""
+    from tests.integration.test_trainer import produce_groups, trainer_config
+
+    ensure_topics(kafka, namespace_topics(namespace, ["math"], 1))
+    ids = produce_groups(kafka, namespace, 2)  # framed: the fixture's registry is on
+    switch = _Switch(schema_registry.config.url)
+    default_store().registry = SchemaRegistry(RegistryConfig(switch.url))  # knows no id
+    trainer = Trainer(trainer_config(namespace, tmp_path, max_buffered=4), kafka)
+    thread = threading.Thread(target=trainer.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while len(trainer.held) < len(ids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(trainer.held) == len(ids) and trainer.reading_paused
+        time.sleep(7)  # past a retry of the held records, still down
+        assert len(trainer.held) == len(ids) and trainer.held.total >= 2 * len(ids)
+        assert trainer.version == 0 and trainer.deadlettered == 0 and not trainer.drops
+        assert trainer.tracker.low((rollout_topic(namespace, "math"), 0)) == 0
+        switch.down = False
+        deadline = time.monotonic() + 60
+        while trainer.version < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        trainer.stop()
+        thread.join(60)
+        switch.close()
+    assert trainer.version == 1 and not trainer.held and not trainer.reading_paused
+    assert trainer.deadlettered == 0 and not trainer.drops
+    trained = {t[0] for e in read_ledger(tmp_path / "ledger.jsonl") for t in e["trained"]}
+    assert trained == set(ids)
