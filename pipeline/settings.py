@@ -25,6 +25,7 @@ import difflib
 import functools
 import inspect
 import json
+import math
 import os
 import textwrap
 import types
@@ -140,13 +141,18 @@ def coerce(tp: Any, value: Any, where: str) -> Any:
             except ValueError:
                 pass
     elif tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            if not math.isfinite(number):  # no setting means anything by NaN or infinity
+                raise InvalidConfigError(f"{where}: {value!r} is not a finite number")
+            return number
     elif tp is str:
         if isinstance(value, str):
             return value

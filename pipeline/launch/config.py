@@ -10,6 +10,7 @@ run derives each child's full configuration, :meth:`RunConfig.trainer` and
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
@@ -61,6 +62,9 @@ class RunConfig:
     max_staleness: int = _T.max_staleness
     #: sampling temperature of the producers
     temperature: float = SamplingConfig.temperature
+    #: sampling temperature of the held-out evaluations (None: the producers'); fixed,
+    #: it compares runs sampled at different temperatures on the same footing
+    eval_temperature: float | None = None
     #: simulated environment latency, median in milliseconds (log-normal; 0: none)
     latency_ms: float = _P.latency_ms
     #: its log-normal shape
@@ -98,6 +102,15 @@ class RunConfig:
             )
         if self.eval_episodes < 0 or self.max_staleness < 0:
             raise InvalidConfigError("eval episodes and max staleness must not be negative")
+        if self.grpo.temperature not in (GRPOConfig.temperature, self.temperature or 1.0):
+            raise InvalidConfigError(
+                "grpo.temperature is the producers' sampling temperature: set --temperature "
+                f"(the trainer then uses it), not grpo.temperature={self.grpo.temperature}"
+            )
+        if self.eval_temperature is not None and not 0 <= self.eval_temperature < math.inf:
+            raise InvalidConfigError(
+                f"eval_temperature must be a finite number >= 0, got {self.eval_temperature}"
+            )
         if self.sync and self.rows % (self.producers * self.group_size):
             raise InvalidConfigError(
                 f"--sync: a batch of {self.rows} trajectories does not split into whole "
@@ -145,7 +158,9 @@ class RunConfig:
             metrics_port=self._metrics_port(0) if member == 0 else None,
             metrics_host=self.metrics_host,
             model=self.model,
-            grpo=self.grpo,
+            # the trainer's log-probabilities under the producers' temperature (greedy
+            # producers record them at 1)
+            grpo=dataclasses.replace(self.grpo, temperature=self.temperature or 1.0),
             lora=self.lora,
             **group,  # type: ignore[arg-type]
         )

@@ -88,7 +88,7 @@ def subject(
             model=cfg.model,
             seed=cfg.seed,
             max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
+            temperature=cfg.temperature if cfg.eval_temperature is None else cfg.eval_temperature,
             eval_episodes=cfg.eval_episodes if eval_episodes is None else eval_episodes,
             namespace=info.get("namespace"),
             max_staleness=cfg.max_staleness,

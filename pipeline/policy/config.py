@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 from pipeline.errors import InvalidConfigError
@@ -182,10 +183,10 @@ class SamplingConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
+        if not 0 <= self.temperature < math.inf or not 0 < self.top_p <= 1:
             raise InvalidConfigError(
-                f"temperature must be >= 0 and top_p in (0, 1], got {self.temperature}, "
-                f"{self.top_p}"
+                "temperature must be a finite number >= 0 and top_p in (0, 1], got "
+                f"{self.temperature}, {self.top_p}"
             )
 
 

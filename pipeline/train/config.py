@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pipeline.errors import InvalidConfigError
+from pipeline.errors import InvalidConfigError, check_range
 from pipeline.kafka.client import MAX_MESSAGE_BYTES
 from pipeline.kafka.topics import check_name
 from pipeline.policy.config import LoRAConfig, ModelConfig
@@ -75,6 +75,11 @@ class GRPOConfig:
     overlong_buffer: int = 0
     #: the penalty at and past overlong_max_tokens (subtracted from the reward)
     overlong_penalty: float = 1.0
+    #: the sampling temperature of the trajectories trained (the producers'; 0, greedy,
+    #: records log-probabilities at 1): log-probabilities and ratios are computed under
+    #: the same temperature-scaled policy the behaviour log-probabilities were recorded
+    #: under (rlstream run sets it from its temperature)
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
         if self.correction not in ("decoupled", "tis", "none"):
@@ -84,6 +89,21 @@ class GRPOConfig:
         aggs = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
         if self.aggregation not in aggs:
             raise InvalidConfigError(f"aggregation must be one of {aggs}")
+        for field, number, low, above in (
+            ("learning_rate", self.learning_rate, 0.0, True),
+            ("warmup_steps", self.warmup_steps, 0.0, False),
+            ("weight_decay", self.weight_decay, 0.0, False),
+            ("max_grad_norm", self.max_grad_norm, 0.0, True),
+            ("clip_high", self.clip_high, 0.0, False),
+            ("kl_coef", self.kl_coef, 0.0, False),
+            ("adv_eps", self.adv_eps, 0.0, True),
+            ("overlong_max_tokens", self.overlong_max_tokens, 0.0, False),
+            ("overlong_penalty", self.overlong_penalty, 0.0, False),
+            ("temperature", self.temperature, 0.0, True),
+        ):
+            check_range(f"grpo.{field}", number, low, above=above)
+        check_range("grpo.clip_low", self.clip_low, 0.0, 1.0)
+        check_range("grpo.is_cap", self.is_cap, 0.0, above=True)
         if self.minibatches < 1 or self.microbatches < 1 or self.is_cap <= 0:
             raise InvalidConfigError("minibatches and microbatches must be >= 1, is_cap > 0")
         for name, value, allowed in (
@@ -205,6 +225,26 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         check_name("namespace", self.namespace)
+        for name, value, low, above in (
+            ("groups_per_batch", self.groups_per_batch, 1, False),
+            ("group_size", self.group_size, 1, False),
+            ("max_staleness", self.max_staleness, 0, False),
+            ("group_timeout_s", self.group_timeout_s, 0, True),
+            ("batch_timeout_s", self.batch_timeout_s, 0, True),
+            ("publish_every", self.publish_every, 1, False),
+            ("keep_checkpoints", self.keep_checkpoints, 1, False),
+            ("max_steps", 1 if self.max_steps is None else self.max_steps, 0, False),
+            ("max_buffered", self.max_buffered, 1, False),
+            ("step_delay_s", self.step_delay_s, 0, False),
+            ("announce_timeout_s", self.announce_timeout_s, 0, True),
+            ("max_record_bytes", self.max_record_bytes, 1, False),
+            ("max_abs_reward", self.max_abs_reward, 0, True),
+            ("max_nonfinite_steps", self.max_nonfinite_steps, 1, False),
+        ):
+            check_range(name, value, low, above=above)
+        check_range("min_logprob", self.min_logprob, high=0.0)
+        if not self.buckets or min(self.buckets) < 2:
+            raise InvalidConfigError(f"buckets must be lengths of at least 2, got {self.buckets}")
         if max(self.buckets) > self.model.max_len:
             raise InvalidConfigError(
                 f"bucket {max(self.buckets)} exceeds the model's max_len {self.model.max_len}"

@@ -117,20 +117,23 @@ class TrainState(NamedTuple):
         return self.params if self.adapters is None else self.adapters
 
 
-def _logprobs_and_entropy(graphdef: Any, params: Any, b: Batch) -> tuple[jax.Array, jax.Array]:
+def _logprobs_and_entropy(
+    graphdef: Any, params: Any, b: Batch, temperature: float
+) -> tuple[jax.Array, jax.Array]:
     return token_logprobs_and_entropy(
-        nnx.merge(graphdef, params), b.tokens, positions=b.position, segments=b.segment
+        nnx.merge(graphdef, params), b.tokens, temperature, b.position, b.segment
     )
 
 
 def _forward(
-    graphdef: Any, params: Any, critic: Any, b: Batch
+    graphdef: Any, params: Any, critic: Any, b: Batch, temperature: float
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """Log-probabilities, entropies and (with a critic) values of every token."""
+    """Log-probabilities (under the sampling temperature), entropies and (with a critic)
+    values of every token."""
     if critic is None:
-        return (*_logprobs_and_entropy(graphdef, params, b), None)
+        return (*_logprobs_and_entropy(graphdef, params, b, temperature), None)
     logp, entropy, hidden = token_logprobs_entropy_features(
-        nnx.merge(graphdef, params), b.tokens, positions=b.position, segments=b.segment
+        nnx.merge(graphdef, params), b.tokens, temperature, b.position, b.segment
     )
     return logp, entropy, critic_values(critic, hidden)
 
@@ -220,7 +223,9 @@ def make_train_step(
         base: Any,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         weights, critic = trainable
-        logp, entropy, value = _forward(graphdef, policy(base, weights), critic, mb)
+        logp, entropy, value = _forward(
+            graphdef, policy(base, weights), critic, mb, cfg.temperature
+        )
         if prox is None:  # one update per step: the proximal policy is this one
             prox = jax.lax.stop_gradient(logp)
         mask, adv = mb.mask, mb.advantage
@@ -308,7 +313,9 @@ def make_train_step(
         if base is not None and lora is None:
             raise ValueError("a state with LoRA adapters needs make_train_step(..., lora=)")
         if cfg.minibatches > 1 or state.critic is not None:
-            logp0, _, value0 = _forward(graphdef, policy(base, state.trained), state.critic, batch)
+            logp0, _, value0 = _forward(
+                graphdef, policy(base, state.trained), state.critic, batch, cfg.temperature
+            )
             if cfg.minibatches > 1:
                 prox = jax.lax.stop_gradient(logp0)
             if value0 is not None:
@@ -321,7 +328,7 @@ def make_train_step(
             reference = state.reference if base is None else base
             if reference is None:
                 raise ValueError("a KL term needs a state made with a reference policy")
-            ref = _logprobs_and_entropy(graphdef, reference, batch)[0]
+            ref = _logprobs_and_entropy(graphdef, reference, batch, cfg.temperature)[0]
         m = cfg.minibatches
         split = jax.tree.map(
             lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), (batch, prox, ref, valued)

@@ -102,6 +102,30 @@ def test_loss_variants_match_numpy(variant: dict[str, Any]) -> None:
     )
 
 
+def test_log_probabilities_are_taken_at_the_sampling_temperature() -> None:
+    """Samples drawn at temperature 0.7 record log-probabilities of the scaled policy: a
+    trainer at the same temperature finds its own policy in them (importance weights 1,
+    the loss of the scaled log-probabilities); one at 1 would take them for off-policy."""
+    model = init_model(CFG, seed=0)
+    b = _batch(model)
+    scaled = np.asarray(token_logprobs(model, jnp.asarray(b.tokens), 0.7))
+    on_policy = b._replace(behaviour=(scaled * b.mask).astype(np.float32))
+    found = {}
+    for temperature in (0.7, 1.0):
+        cfg = GRPOConfig(correction="tis", temperature=temperature)
+        tx = cfg.optimizer()
+        graphdef, state = init_state(model, tx, reference=False)
+        found[temperature] = make_train_step(graphdef, cfg, tx)(state, on_policy)[1]
+        if temperature == 0.7:
+            _, metrics = make_train_step(graphdef, cfg, tx)(state, b)
+            assert float(metrics["loss"]) == pytest.approx(
+                _reference_loss(scaled, b, cfg), rel=1e-4, abs=1e-5
+            )
+    assert abs(float(found[0.7]["kl_behaviour"])) < 1e-5
+    assert float(found[0.7]["is_weight_max"]) == pytest.approx(1.0, abs=1e-4)
+    assert abs(float(found[1.0]["kl_behaviour"])) > 0.05
+
+
 @pytest.mark.parametrize("estimator", ["k1", "k3"])
 def test_kl_to_a_reference_policy(estimator: str) -> None:
     model, other = init_model(CFG, seed=0), init_model(CFG, seed=1)

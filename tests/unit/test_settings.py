@@ -47,7 +47,11 @@ SHARED = {
     "groups_per_batch": {TrainerConfig: "groups_per_batch"},
     "max_new_tokens": {ProducerConfig: "limits.max_new_tokens", EvalConfig: "max_new_tokens"},
     "max_staleness": {ProducerConfig: "admission.max_staleness", TrainerConfig: "max_staleness"},
-    "temperature": {ProducerConfig: "sampling.temperature", EvalConfig: "temperature"},
+    "temperature": {
+        ProducerConfig: "sampling.temperature",
+        EvalConfig: "temperature",
+        TrainerConfig: "grpo.temperature",
+    },
     "latency_ms": {ProducerConfig: "latency_ms"},
     "latency_sigma": {ProducerConfig: "latency_sigma"},
     "partitions": {ProducerConfig: "partitions"},
@@ -147,6 +151,16 @@ def test_short_flags_reach_their_sections_and_a_preset_can_be_refined() -> None:
         ({"model": {"d_model": 130, "num_heads": 4}}, "not a multiple of num_heads"),
         ({"group_size": True}, "is not a integer"),
         ({"max_steps": None, "grpo": None}, "TrainerConfig.grpo: must not be null"),
+        # no setting means anything by NaN or infinity (JSON readers take both)
+        ({"grpo": {"learning_rate": float("nan")}}, "learning_rate: nan is not a finite number"),
+        ({"min_logprob": "-Infinity"}, "min_logprob: '-Infinity' is not a finite number"),
+        ({"grpo": {"learning_rate": -1e-3}}, "grpo.learning_rate must be a finite number > 0"),
+        ({"grpo": {"clip_low": 1.5}}, "grpo.clip_low must be a finite number in [0, 1]"),
+        ({"grpo": {"max_grad_norm": 0}}, "grpo.max_grad_norm must be a finite number > 0"),
+        ({"batch_timeout_s": 0}, "batch_timeout_s must be a finite number > 0"),
+        ({"group_size": 0}, "group_size must be a finite number >= 1"),
+        ({"min_logprob": 5}, "min_logprob must be a finite number <= 0"),
+        ({"buckets": [1]}, "buckets must be lengths of at least 2"),
     ],
 )
 def test_a_bad_setting_is_refused_in_one_sentence_naming_it(
@@ -224,3 +238,18 @@ def test_every_flag_of_every_command_is_described_with_its_default_once(
             if shown_by_formatter:  # then the text must not state it a second time
                 assert "default" not in a.help.replace("defaults", ""), where
         p.format_help()  # every help renders
+
+
+def test_the_trainer_takes_log_probabilities_at_the_producers_temperature() -> None:
+    def trainer_temperature(**settings: Any) -> float:
+        run = resolve(RunConfig, settings, environ={})
+        return run.trainer("rlstream", Path("runs/x")).grpo.temperature
+
+    assert trainer_temperature(temperature=0.7) == 0.7
+    assert trainer_temperature(temperature=0) == 1.0  # greedy records them at 1
+    with pytest.raises(InvalidConfigError, match="set --temperature"):
+        resolve(RunConfig, {"grpo": {"temperature": 0.5}}, environ={})
+    run = resolve(RunConfig, {"temperature": 0.7, "eval_temperature": 1.0}, environ={})
+    assert run.eval_temperature == 1.0
+    with pytest.raises(InvalidConfigError, match="eval_temperature must be a finite number"):
+        RunConfig(eval_temperature=-1.0)
