@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from connectors.base import with_latency
-from pipeline.errors import InvalidConfigError
+from pipeline.errors import InvalidConfigError, check_range
 from pipeline.policy.config import ModelConfig, SamplingConfig
 from pipeline.records.trajectory import MAX_ABS_REWARD
 
@@ -35,6 +35,17 @@ class EpisodeLimits:
     #: largest reward magnitude an environment may give (past it: env_error)
     max_abs_reward: float = MAX_ABS_REWARD
 
+    def __post_init__(self) -> None:
+        for name, value, low, above in (
+            ("max_new_tokens", self.max_new_tokens, 1, False),
+            ("max_policy_turns", self.max_policy_turns, 1, False),
+            ("step_timeout_s", self.step_timeout_s, 0, True),
+            ("episode_timeout_s", self.episode_timeout_s, 0, True),
+            ("max_observation_tokens", self.max_observation_tokens, 1, False),
+            ("max_abs_reward", self.max_abs_reward, 0, True),
+        ):
+            check_range(f"limits.{name}", value, low, above=above)
+
 
 @dataclass(frozen=True)
 class AdmissionConfig:
@@ -53,6 +64,12 @@ class AdmissionConfig:
     poll_s: float = 0.25
     #: a peer producer silent this long is no longer counted (it died)
     heartbeat_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        check_range("admission.max_staleness", self.max_staleness, -1)
+        check_range("admission.trainer_batch", self.trainer_batch, 1)
+        check_range("admission.poll_s", self.poll_s, 0, above=True)
+        check_range("admission.heartbeat_timeout_s", self.heartbeat_timeout_s, 0, above=True)
 
 
 @dataclass(frozen=True)
@@ -142,8 +159,14 @@ class ProducerConfig:
                 f"sync batch {self.sync_batch} must be a positive multiple of the group "
                 f"size {self.group_size}"
             )
-        if self.latency_ms < 0 or self.latency_sigma < 0:
-            raise InvalidConfigError("latency_ms and latency_sigma must be >= 0")
+        for name, value, low in (
+            ("latency_ms", self.latency_ms, 0),
+            ("latency_sigma", self.latency_sigma, 0),
+            ("grace_s", self.grace_s, 0),
+            ("partitions", self.partitions, 1),
+            ("max_consecutive_failures", self.max_consecutive_failures, 0),
+        ):
+            check_range(name, value, low)
         if any(str(r) == "none" for r in self.checkpoint_roots):
             if len(self.checkpoint_roots) > 1:
                 raise InvalidConfigError(
