@@ -20,10 +20,8 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 import threading
 import time
-import zlib
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -70,25 +68,14 @@ from pipeline.train.members import Members
 from pipeline.train.mesh import batch_sharding, make_mesh, state_shardings
 from pipeline.train.positions import PositionTracker
 from pipeline.train.publish import WeightsPublisher
+from pipeline.train.reading import PartitionReading, fatal
 from pipeline.train.samples import trainer_samples
 from pipeline.train.stale import StaleRanges
 
 log = logging.getLogger(__name__)
 
 
-def _fatal(err: Any) -> bool:
-    """Whether a Kafka error means the client failed for good (it must be replaced)."""
-    return isinstance(err, confluent_kafka.KafkaError) and (
-        err.fatal() or err.code() == confluent_kafka.KafkaError._FATAL
-    )
-
-
-def _split(key: str) -> tuple[str, int]:
-    topic, _, partition = key.rpartition(":")
-    return topic, int(partition)
-
-
-class Trainer:
+class Trainer(PartitionReading):
     def __init__(
         self,
         cfg: TrainerConfig,
@@ -267,104 +254,6 @@ class Trainer:
             removed,
         )
 
-    def _new_consumer(self) -> Any:
-        # Static membership: a trainer restarted under the same instance id gets its
-        # partitions back at once instead of waiting for the old session to time out.
-        cfg, kafka = self.cfg, self.kafka
-        assert kafka is not None  # (a trainer from a recording has no consumer to make)
-        instance = cfg.instance if not self.members.many else f"{cfg.instance}.{cfg.member_index}"
-        return kafka.consumer(
-            f"{cfg.namespace}.trainer",
-            **{
-                "group.instance.id": f"{cfg.namespace}.trainer.{instance}",
-                "session.timeout.ms": 30000,
-            },
-        )
-
-    def _renew_consumer(self) -> None:
-        """Replace a consumer that failed for good (a fatal error: e.g. fenced by the
-        group after a broker restart) by a new one that reads on from this trainer's own
-        positions. What is read and not settled (groups waiting to complete or to be
-        trained) is let go and read again, so nothing is lost and nothing trained twice:
-        settled offsets stay settled, and the checkpoint holds the same positions."""
-        log.warning(
-            "the Kafka consumer failed for good (%s); a new one reads on from the "
-            "trainer's positions",
-            self.consumer_failed,
-        )
-        dropped = self.buffer.clear() + self.ready.clear()
-        self.buffer.forget_done(g.group_id for g in dropped)
-        self.held.clear()
-        self.reading_paused = False
-        self.tracker = PositionTracker.from_json(self.tracker.to_json())  # pending let go
-        try:
-            self.consumer.close()
-        except (confluent_kafka.KafkaException, RuntimeError) as e:
-            log.info("the failed consumer did not close cleanly: %s", e)
-        self.consumer = self._new_consumer()
-        self.consumer_failed = None
-        self.consumer_renewals += 1
-        self._subscribe()
-
-    def _subscribe(self) -> None:
-        """A trainer alone subscribes to every rollout topic (static membership: a
-        restart under the same instance id gets its partitions back at once). Members of
-        a group take their partitions by member index instead (:meth:`_assign_mine`):
-        the group restarts as a whole, so no partition ever moves between members, and
-        none can be trained by two members from two views of its positions."""
-        if self.members.many:
-            self._assign_mine()
-        else:
-            self.consumer.subscribe(
-                [self._pattern], on_assign=self._on_assign, on_revoke=self._on_revoke
-            )
-
-    def _assign_mine(self) -> None:
-        """Assign this member the rollout partitions it owns and does not read yet:
-        partition ``p`` of topic ``t`` belongs to member ``(crc32(t) + p) % members``,
-        which never changes as topics and partitions are added."""
-        try:
-            topics = self.consumer.list_topics(timeout=10).topics
-        except confluent_kafka.KafkaException as e:
-            log.warning("rollout topics not listed (tried again shortly): %s", e)
-            return
-        rx = re.compile(self._pattern)
-        current = {(tp.topic, tp.partition) for tp in self.consumer.assignment()}
-        new = [
-            confluent_kafka.TopicPartition(t, p)
-            for t, md in sorted(topics.items())
-            if rx.match(t)
-            for p in sorted(md.partitions)
-            if self._owns(t, p) and (t, p) not in current
-        ]
-        if new:
-            self._on_assign(self.consumer, new, incremental=True)
-
-    def _owns(self, topic: str, partition: int) -> bool:
-        return (zlib.crc32(topic.encode()) + partition) % self.members.count == self.members.index
-
-    def _on_assign(self, consumer: Any, partitions: list[Any], incremental: bool = False) -> None:
-        known = set(self.tracker.partitions())
-        stale_until = self._stale_until([p for p in partitions if (p.topic, p.partition) in known])
-        for tp in partitions:
-            key = (tp.topic, tp.partition)
-            if key in known:  # the checkpoint decides, whatever Kafka's committed offset says
-                low = self.tracker.low(key)
-                tp.offset = self._settle_stale(key, low, stale_until.get(key, low))
-        if incremental:
-            consumer.incremental_assign(partitions)
-        else:
-            consumer.assign(partitions)
-        log.info("assigned partitions=%s", [(p.topic, p.partition, p.offset) for p in partitions])
-
-    def _on_revoke(self, consumer: Any, partitions: list[Any]) -> None:
-        tps = {(p.topic, p.partition) for p in partitions}
-        dropped = self.buffer.drop_partitions(tps)  # their new owner reads them again
-        self.held.drop_partitions(tps)
-        for tp in tps:
-            self.tracker.forget(tp)
-        log.info("revoked partitions=%d buffered_groups_released=%d", len(tps), len(dropped))
-
     # ---- the loop ----------------------------------------------------------------------
 
     def stop(self) -> None:
@@ -483,7 +372,7 @@ class Trainer:
         if err is not None:
             if err.code() != confluent_kafka.KafkaError._PARTITION_EOF:
                 log.warning("consumer error=%s", err.str())
-            if _fatal(err):
+            if fatal(err):
                 self.consumer_failed = err.str()
             return
         tp = (m.topic(), m.partition())
@@ -519,15 +408,6 @@ class Trainer:
             self.ready.put(group)
         return None
 
-    def _hold_back(self) -> None:
-        """Pause fetching while the held records are at their limit (the consumer stays
-        in its group: it is still polled); resume once they drain."""
-        full = self.held.full
-        if full or self.reading_paused:
-            parts = self.consumer.assignment()
-            (self.consumer.pause if full else self.consumer.resume)(parts)
-            self.reading_paused = full
-
     def _stale(self, min_version: int) -> bool:
         return self.version - min_version > self.cfg.max_staleness
 
@@ -541,33 +421,6 @@ class Trainer:
     def _drop_group(self, g: Any, reason: str) -> None:
         for mem in g.members.values():
             self._drop(mem.trajectory.trajectory_id, mem.where, reason, g.env)
-
-    def _stale_until(self, tps: list[Any]) -> dict[tuple[str, int], int]:
-        """Per partition, the first offset that may not be certainly stale."""
-        ts = self.version_times.get(self.version - self.cfg.max_staleness)
-        if ts is None or self.source is not None:  # (a recording has no clock)
-            return {}
-        return self.stale_ranges.until(self.consumer, tps, ts)
-
-    def _settle_stale(self, key: tuple[str, int], start: int, end: int) -> int:
-        """Drop the unread, unsettled records of ``[start, end)`` as one range each;
-        returns the offset to read from. Small ranges are left to the header filter."""
-        if end <= start + 64:
-            return start
-        for a, b in self.tracker.unsettled(key, start, end):
-            self.tracker.settle_range(key, a, b)
-            self.ledger.drop_range(key[0], key[1], a, b, "stale_range")
-            self.drops["stale_range"] += b - a
-            metric("drop", b - a, reason="stale_range", env=env_of(key[0]) or "")
-        log.info("skipped stale range topic=%s partition=%d from=%d to=%d", *key, start, end)
-        return end
-
-    def _skip_stale_ranges(self) -> None:
-        """While running: seek past ranges that became certainly stale."""
-        for key, end in self._stale_until(self.consumer.assignment()).items():
-            start = self.tracker.next(key)
-            if self._settle_stale(key, start, end) != start:
-                self.consumer.seek(confluent_kafka.TopicPartition(*key, end))
 
     # ---- a step -------------------------------------------------------------------------
 
@@ -716,18 +569,6 @@ class Trainer:
         """This trainer's figures for Prometheus (read at scrape time)."""
         return trainer_samples(self)
 
-    def _lag(self) -> int:
-        """Records of the assigned partitions not trained or dropped yet."""
-        total = 0
-        for tp in self.consumer.assignment():
-            try:
-                _, high = self.consumer.get_watermark_offsets(tp, cached=True)
-            except confluent_kafka.KafkaException:
-                continue
-            if high >= 0:
-                total += max(0, high - self._progress((tp.topic, tp.partition)))
-        return total
-
     def _checkpoint(self, announce: bool, metrics: dict[str, Any] | None = None) -> None:
         """Ledger line durable, then the checkpoint, then offsets committed, then (if
         ``announce``) the parameters saved for producers and announced."""
@@ -782,33 +623,6 @@ class Trainer:
         if announce:
             with span("announce", "train", step=step, version=self.version):
                 self._announce(step, metrics or {})
-
-    def _commit(self) -> None:
-        """Commit the last checkpoint's offsets. A failure loses nothing (the checkpoint
-        holds the positions) but leaves producers' view of the lag behind, and producers
-        held back by that view send nothing that would make the trainer checkpoint again:
-        so a failed commit is retried every two seconds, not at the next checkpoint."""
-        if not self._uncommitted:
-            return
-        try:
-            self.consumer.commit(offsets=self._uncommitted, asynchronous=False)
-            self._uncommitted = []
-        except confluent_kafka.KafkaException as e:
-            self.commit_failures += 1
-            log.warning("offset commit failed (retried in 2 s): %s", e)
-            if e.args and _fatal(e.args[0]):
-                self.consumer_failed = e.args[0].str()
-
-    def _own_positions(self) -> dict[str, Any]:
-        """The positions this member saves: in a group, only those of the partitions it
-        owns (a partition's positions are its owner's alone)."""
-        positions = self.tracker.to_json()
-        if not self.members.many or self.source is not None:
-            return positions
-        return {k: v for k, v in positions.items() if self._owns(*_split(k))}
-
-    def _progress(self, tp: tuple[str, int]) -> int:
-        return self.tracker.next(tp) - self.tracker.pending_count(tp)
 
     def _announce(self, step: int, m: dict[str, Any]) -> None:
         state = self.state
