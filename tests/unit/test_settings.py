@@ -161,15 +161,29 @@ def test_short_flags_reach_their_sections_and_a_preset_can_be_refined() -> None:
         ({"group_size": 0}, "group_size must be a finite number >= 1"),
         ({"min_logprob": 5}, "min_logprob must be a finite number <= 0"),
         ({"buckets": [1]}, "buckets must be lengths of at least 2"),
+        # the producer's (prefixed "producer:")
+        ({"producer": 1, "latency_ms": float("nan")}, "latency_ms: nan is not a finite number"),
+        (
+            {"producer": 1, "limits": {"step_timeout_s": 0}},
+            "limits.step_timeout_s must be a finite number > 0",
+        ),
+        (
+            {"producer": 1, "limits": {"max_new_tokens": 0}},
+            "limits.max_new_tokens must be a finite number >= 1",
+        ),
+        ({"producer": 1, "admission": {"poll_s": -1}}, "admission.poll_s must be a finite number"),
+        ({"producer": 1, "sampling": {"temperature": 1e400}}, "inf is not a finite number"),
+        ({"producer": 1, "partitions": 0}, "partitions must be a finite number >= 1"),
     ],
 )
 def test_a_bad_setting_is_refused_in_one_sentence_naming_it(
     data: dict[str, Any], message: str, tmp_path: Path
 ) -> None:
+    cls = ProducerConfig if data.pop("producer", None) else TrainerConfig
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(data))
     with pytest.raises(InvalidConfigError) as e:
-        resolve(TrainerConfig, {}, file=path)
+        resolve(cls, {}, file=path)
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
@@ -253,24 +267,3 @@ def test_the_trainer_takes_log_probabilities_at_the_producers_temperature() -> N
     assert run.eval_temperature == 1.0
     with pytest.raises(InvalidConfigError, match="eval_temperature must be a finite number"):
         RunConfig(eval_temperature=-1.0)
-
-
-@pytest.mark.parametrize(
-    ("data", "message"),
-    [
-        ({"latency_ms": float("nan")}, "latency_ms: nan is not a finite number"),
-        ({"limits": {"step_timeout_s": 0}}, "limits.step_timeout_s must be a finite number > 0"),
-        ({"limits": {"max_new_tokens": 0}}, "limits.max_new_tokens must be a finite number >= 1"),
-        ({"admission": {"poll_s": -1}}, "admission.poll_s must be a finite number > 0"),
-        ({"sampling": {"temperature": 1e400}}, "temperature: inf is not a finite number"),
-        ({"partitions": 0}, "partitions must be a finite number >= 1"),
-    ],
-)
-def test_a_bad_producer_setting_is_refused_naming_it(
-    data: dict[str, Any], message: str, tmp_path: Path
-) -> None:
-    path = tmp_path / "bad.json"
-    path.write_text(json.dumps(data))
-    with pytest.raises(InvalidConfigError) as e:
-        resolve(ProducerConfig, {}, file=path)
-    assert message in str(e.value) and "\n" not in str(e.value)
