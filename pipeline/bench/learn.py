@@ -9,8 +9,8 @@ median and maximum gain in points of held-out success, and the longest wall time
 whole run (start-up, training, both evaluations).
 
 ``--grid KEY=V1,V2,...`` (repeatable; any setting of ``rlstream run`` by its dotted name)
-runs every combination of the values, each over the same seeds, and reports the figures
-per combination: the staleness ablation is
+runs every combination of the values, each over the same seeds (``--first-seed`` on),
+and reports the figures per combination: the staleness ablation is
 ``--grid max_staleness=8 --grid grpo.correction=none,tis,decoupled --seeds 2``.
 """
 
@@ -64,6 +64,7 @@ def _label(settings: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
     seeds = args.seeds or 5
+    first = getattr(args, "first_seed", 0) or 0
     stamp = time.strftime("%Y%m%d-%H%M%S")
     base = Path(args.run_dir or f"runs/bench-learn-{stamp}")
     combos = grid(list(getattr(args, "grid", None) or []))
@@ -77,7 +78,7 @@ def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
             walls: list[float] = []
             finals: list[float] = []
             stale: list[float] = []
-            for seed in range(seeds):
+            for seed in range(first, first + seeds):
                 seeded = resolve(RunConfig, {**fixed, **settings, "seed": seed})
                 print(f"== {_label(settings)} seed {seed}: {cfg.steps} steps", flush=True)
                 t0 = time.monotonic()
@@ -113,7 +114,7 @@ def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
                     "wall_max_s": round(max(walls), 1),
                 }
             )
-    figures: dict[str, Any] = {"seeds": seeds, "run_dirs": str(base)}
+    figures: dict[str, Any] = {"seeds": seeds, "first_seed": first, "run_dirs": str(base)}
     if len(results) == 1:
         figures |= {k: v for k, v in results[0].items() if k != "settings"}
     else:

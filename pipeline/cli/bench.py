@@ -92,6 +92,12 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--seeds", type=int, default=None, help="runs of the default (learn: 5)")
     p.add_argument(
+        "--first-seed",
+        type=int,
+        default=0,
+        help="learn: the seeds are first-seed, first-seed + 1, ... (to extend a sweep)",
+    )
+    p.add_argument(
         "--grid",
         action="append",
         default=[],
