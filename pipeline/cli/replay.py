@@ -71,6 +71,7 @@ def register(sub: Any) -> None:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     from pipeline.kafka import replay
+    from pipeline.observe import recording
 
     if args.action == "record":
         if not args.namespace:
@@ -132,7 +133,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         print_result(args, {"figures": {"published": n}}, f"published {n} records")
         return 0
     # inspect
-    ledger = replay.LedgerIndex.load(Path(args.ledger)) if args.ledger else None
+    ledger = recording.LedgerIndex.load(Path(args.ledger)) if args.ledger else None
     if ledger is not None and args.step is not None:
         entry = ledger.step(args.step)
         lines = [f"step {entry['step']} (trainer version after it: {entry['version']})"]
@@ -145,7 +146,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         print_result(args, entry, "\n".join(lines))
         if not args.file:
             return 0
-    keep = replay.parse_filter(args.filter)
+    keep = recording.parse_filter(args.filter)
     if args.file:
         records = replay.read_recording(Path(args.file))
     elif args.namespace:
@@ -161,9 +162,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
             if not keep(r):
                 continue
             if args.json:
-                shown.append(replay.summary_json(r, ledger))
+                shown.append(recording.summary_json(r, ledger))
             else:
-                print(replay.render(r, ledger), flush=True)
+                print(recording.render(r, ledger), flush=True)
                 shown.append({})
             if args.limit and len(shown) >= args.limit:
                 break

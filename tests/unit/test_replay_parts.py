@@ -13,10 +13,10 @@ from pipeline.kafka.replay import (
     RecordingError,
     RecordingSource,
     parse_bound,
-    parse_filter,
     read_recording,
     recording_schema,
 )
+from pipeline.observe.recording import parse_filter
 from pipeline.records.codec import to_avro_dict
 from pipeline.testing import make_trajectory
 
