@@ -174,7 +174,7 @@ def test_no_correction_takes_stale_samples_as_on_policy() -> None:
     fresh = stale._replace(behaviour=(logp * stale.mask).astype(np.float32))
     results = []
     for correction, b in (("none", stale), ("decoupled", fresh)):
-        cfg = GRPOConfig(correction=correction, warmup_steps=1)
+        cfg = GRPOConfig(correction=correction, warmup_steps=1, aggregation="token_mean")
         tx = cfg.optimizer()
         graphdef, state = init_state(model, tx, reference=False)
         state, metrics = make_train_step(graphdef, cfg, tx)(state, b)

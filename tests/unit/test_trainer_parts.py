@@ -159,7 +159,7 @@ def test_one_update_per_step_takes_the_proximal_policy_from_its_own_pass() -> No
     mask-weighted mean of ``-advantage``."""
     model = init_model(CFG, seed=0)
     batch = _batch(model, 4, 16, 3)
-    cfg = GRPOConfig(minibatches=1)
+    cfg = GRPOConfig(minibatches=1, aggregation="token_mean")
     tx = cfg.optimizer()
     graphdef, state = init_state(model, tx)
     _, metrics = make_train_step(graphdef, cfg, tx)(state, batch)
