@@ -64,6 +64,8 @@ class RecordDecodeError(RlstreamError, ValueError):
     - ``bad_header``: Kafka headers that cannot be read (a name that is not UTF-8);
     - ``oversized``: a value larger than the reader's bound, refused undecoded;
     - ``tokenizer``: written with another tokenizer than the reader's;
+    - ``temperature``: its log-probabilities were taken at another softmax temperature
+      than the trainer's (metadata ``rlstream.logprob_temperature``);
     - ``token_range``, ``bad_logprob``, ``reward_bound``, ``future_version``: the
       training contract (:mod:`pipeline.train.contract`);
     - ``duplicate``, ``env_mismatch``: a repeated or foreign member of a GRPO group;
@@ -93,6 +95,7 @@ DECODE_REASONS = (
     "bad_header",
     "oversized",
     "tokenizer",
+    "temperature",
     "token_range",
     "bad_logprob",
     "reward_bound",

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pipeline.policy.config import SamplingConfig
 from pipeline.policy.tokenizer import ByteTokenizer, ChatFormat
 from pipeline.records.trajectory import (
     LOGPROB_DTYPE,
@@ -106,6 +107,7 @@ class ScriptedPolicy:
         self.turns = list(turns)
         self.fed: list[list[int]] = []
         self.engine = self
+        self.sampling = SamplingConfig()
         self.version = 0
         self.max_len = 1000
         tok = tokenizer or ByteTokenizer()

@@ -189,6 +189,12 @@ class SamplingConfig:
                 f"{self.temperature}, {self.top_p}"
             )
 
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature the recorded log-probabilities are taken at: the sampling
+        temperature, or 1 when greedy (the sampler scores greedy tokens unscaled)."""
+        return self.temperature if self.temperature > 0 else 1.0
+
 
 #: the linear layers of a block low-rank adapters may be put on (gate only exists in the
 #: gated, Hugging Face families)

@@ -28,6 +28,12 @@ LOGPROB_DTYPE = np.dtype("<f4")
 #: the default bound of any reward's magnitude, for producers and trainer alike
 MAX_ABS_REWARD = 1e6
 
+#: metadata key of the softmax temperature a record's log-probabilities were taken at (a
+#: float's repr); a trainer refuses a record whose temperature is not its own, since its
+#: importance ratios would compare two different distributions. A record without it is
+#: taken to be at the trainer's temperature.
+META_TEMPERATURE = "rlstream.logprob_temperature"
+
 
 class VersionSpan(NamedTuple):
     """Tokens ``[start, end)`` were sampled by policy version ``version``."""

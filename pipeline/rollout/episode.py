@@ -39,6 +39,7 @@ from pipeline.policy.tokenizer import ChatFormat
 from pipeline.records.trajectory import (
     LOGPROB_DTYPE,
     MASK_DTYPE,
+    META_TEMPERATURE,
     TOKEN_DTYPE,
     Timings,
     Trajectory,
@@ -230,7 +231,10 @@ async def run_episode(
         rewards=rewards,
         status=status,
         timings=Timings(int(started * 1000), int(time.time() * 1000), gen_s, env_s),
-        metadata={"task": member.task.task_id},
+        metadata={
+            "task": member.task.task_id,
+            META_TEMPERATURE: repr(server.engine.sampling.logprob_temperature),
+        },
     )
 
 

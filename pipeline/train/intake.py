@@ -24,6 +24,7 @@ them) and are judged again every few seconds until the registry answers.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,7 +35,7 @@ from pipeline.kafka.topics import deadletter_topic
 from pipeline.observe.telemetry import span
 from pipeline.records.codec import AvroCodec, TrajectoryCodec, TrajectoryHeaders
 from pipeline.records.registry import DOWN_S
-from pipeline.records.trajectory import Trajectory
+from pipeline.records.trajectory import META_TEMPERATURE, Trajectory
 from pipeline.train.contract import RecordContract
 
 log = logging.getLogger(__name__)
@@ -48,9 +49,16 @@ class RecordJudge:
     """Decides one record: the trajectory to train, the error that refuses it, or the
     reason (``stale``) to drop it unread."""
 
-    def __init__(self, contract: RecordContract, tokenizer_id: str, max_record_bytes: int) -> None:
+    def __init__(
+        self,
+        contract: RecordContract,
+        tokenizer_id: str,
+        max_record_bytes: int,
+        temperature: float = 1.0,
+    ) -> None:
         self.contract = contract
         self.tokenizer_id = tokenizer_id
+        self.temperature = temperature  # the trainer's: log-probabilities taken at it
         self.max_record_bytes = max_record_bytes
         self.codec = TrajectoryCodec()
 
@@ -89,10 +97,25 @@ class RecordJudge:
             return RecordDecodeError(
                 "tokenizer", f"{t.tokenizer_id[:80]} is not {self.tokenizer_id}"
             )
+        sampled_at = t.metadata.get(META_TEMPERATURE)
+        if sampled_at is not None and not _same_temperature(sampled_at, self.temperature):
+            return RecordDecodeError(
+                "temperature",
+                f"its log-probabilities were taken at temperature {sampled_at[:40]!r}, "
+                f"this trainer takes them at {self.temperature:g} (grpo.temperature)",
+            )
         violation = self.contract.violation(t, newest_version)
         if violation is not None:
             return RecordDecodeError(*violation)
         return t
+
+
+def _same_temperature(text: str, temperature: float) -> bool:
+    try:
+        value = float(text)
+    except ValueError:
+        return False
+    return math.isclose(value, temperature, rel_tol=1e-6)  # False for NaN
 
 
 class DeadLetters:

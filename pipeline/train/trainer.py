@@ -146,7 +146,9 @@ class Trainer(PartitionReading):
             cfg.max_abs_reward,
             cfg.min_logprob,
         )
-        self.judge = RecordJudge(contract, self.tokenizer.id, cfg.max_record_bytes)
+        self.judge = RecordJudge(
+            contract, self.tokenizer.id, cfg.max_record_bytes, cfg.grpo.temperature
+        )
         #: records waiting for the schema registry to answer for their schema id
         self.held = HeldRecords(cfg.max_buffered)
         self.reading_paused = False  # fetching paused while held records are at their limit

@@ -34,6 +34,7 @@ from pipeline.policy.config import ModelConfig
 from pipeline.policy.tokenizer import TOKENIZER_ID
 from pipeline.records.codec import AvroCodec
 from pipeline.records.ledger import outcomes, read_ledger
+from pipeline.records.trajectory import META_TEMPERATURE
 from pipeline.testing import make_trajectory
 from pipeline.train.config import GRPOConfig, TrainerConfig
 from pipeline.train.trainer import Trainer
@@ -172,22 +173,27 @@ def test_bad_records_go_to_the_dead_letter_topic(
     from pipeline.records.codec import TrajectoryCodec
 
     p.produce(topic, TrajectoryCodec().encode(other), b"z")
+    hot = make_trajectory(
+        20, env="math", group_id="h", group_size=4, turns=2, tokenizer_id=TOKENIZER_ID
+    )
+    hot.metadata = {META_TEMPERATURE: "1.3"}  # sampled hotter than the trainer scores
+    p.produce(topic, TrajectoryCodec().encode(hot), b"h")
     p.flush()
     ids = produce_groups(kafka, namespace, 2, seed=4)
     trainer = Trainer(trainer_config(namespace, tmp_path), kafka)
-    run_until(trainer, lambda: trainer.version >= 1 and trainer.deadlettered >= 4)
+    run_until(trainer, lambda: trainer.version >= 1 and trainer.deadlettered >= 5)
     consumer = kafka.consumer(f"{namespace}.dl")
     consumer.subscribe([deadletter_topic(namespace)])
     codec = AvroCodec("DeadLetter")
     letters = []
     deadline = time.monotonic() + 30
-    while len(letters) < 4 and time.monotonic() < deadline:
+    while len(letters) < 5 and time.monotonic() < deadline:
         m = consumer.poll(0.5)
         if m is not None and m.error() is None:
             letters.append(codec.decode(m.value()))
     consumer.close()
     assert sorted(d["error_class"] for d in letters) == sorted(
-        ["bad_marker", "unknown_schema", "bad_marker", "tokenizer"]
+        ["bad_marker", "unknown_schema", "bad_marker", "tokenizer", "temperature"]
     )
     assert {d["value"] for d in letters} >= {b"garbage"}
     assert all(d["source_topic"] == topic for d in letters)

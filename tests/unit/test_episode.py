@@ -18,6 +18,7 @@ from pipeline.policy.sampler import DecodeEngine
 from pipeline.policy.server import PolicyServer
 from pipeline.policy.tokenizer import ByteTokenizer
 from pipeline.records.codec import TrajectoryCodec
+from pipeline.records.trajectory import META_TEMPERATURE
 from pipeline.rollout.config import EpisodeLimits
 from pipeline.rollout.episode import GroupSlot, run_episode
 from pipeline.testing import ScriptedPolicy
@@ -67,6 +68,24 @@ def test_trajectory_is_exactly_what_the_sampler_saw(model: Any) -> None:
     np.testing.assert_allclose(t.logprobs[policy], full[policy], atol=1e-4)
     assert t.version_spans[0].version == 0
     TrajectoryCodec().encode(t)  # a valid record
+
+
+def test_the_record_names_the_temperature_its_log_probabilities_were_taken_at(
+    model: Any,
+) -> None:
+    for temperature, taken_at in ((0.7, 0.7), (0.0, 1.0)):  # greedy tokens: scored at 1
+        engine = DecodeEngine(model, 1, SamplingConfig(temperature, seed=5), chunk=8)
+        server = PolicyServer(engine, {TOK.eos, TOK.end_call}).start()
+        env = make("guess", max_turns=2)
+        t = asyncio.run(
+            run_episode(env, member(), server, 0, TOK, EpisodeLimits(max_new_tokens=6), "p")
+        )
+        server.stop()
+        assert float(t.metadata[META_TEMPERATURE]) == taken_at
+        policy = np.flatnonzero(t.loss_mask)
+        tokens = jnp.asarray([t.tokens.tolist()])
+        full = np.asarray(token_logprobs(model, tokens, taken_at)[0])
+        np.testing.assert_allclose(t.logprobs[policy], full[policy], atol=1e-4)
 
 
 class Hanging(Environment):

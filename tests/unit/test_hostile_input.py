@@ -101,6 +101,37 @@ def test_the_training_contract_refuses_each_kind_with_its_reason() -> None:
         RecordContract(vocab_size=272, max_abs_reward=float("inf"))
 
 
+def test_a_record_whose_log_probabilities_were_taken_at_another_temperature_is_refused() -> None:
+    from pipeline.records.trajectory import META_TEMPERATURE
+    from pipeline.train.intake import RecordJudge
+
+    class Message:  # what the judge reads of a Kafka message
+        def __init__(self, temperature: str | None) -> None:
+            t = make_trajectory(40, turns=2, tokenizer_id=TOK.id)
+            if temperature is not None:
+                t.metadata = {**t.metadata, META_TEMPERATURE: temperature}
+            self._value = CODEC.encode(t)
+
+        def headers(self) -> None:
+            return None
+
+        def value(self) -> bytes:
+            return self._value
+
+    judge = RecordJudge(RecordContract(vocab_size=272), TOK.id, 1 << 20, temperature=0.7)
+
+    def verdict(temperature: str | None) -> str:
+        found = judge(Message(temperature), lambda version: False, None)
+        return found.reason if isinstance(found, RecordDecodeError) else "trained"
+
+    assert verdict(repr(0.7)) == verdict("0.7000000001") == "trained"
+    assert verdict(None) == "trained"  # a writer that does not say: taken to be at 0.7
+    for wrong in ("1.0", "0.69", "0", "nan", "inf", "-0.7", "", "0.7; drop table", "x" * 10_000):
+        assert verdict(wrong) == "temperature", wrong
+    refusal = judge(Message("1.0"), lambda version: False, None)
+    assert isinstance(refusal, RecordDecodeError) and "grpo.temperature" in refusal.detail
+
+
 def test_a_step_whose_loss_or_gradients_are_not_finite_changes_nothing() -> None:
     cfg = GRPOConfig(warmup_steps=1)
     tx = cfg.optimizer()
