@@ -23,6 +23,11 @@ class GRPOConfig:
     learning_rate: float = 1e-3
     #: steps of linear warm-up from 0
     warmup_steps: int = 5
+    #: after the warm-up, steps of cosine decay to decay_floor times the peak (0: the
+    #: learning rate stays at its peak)
+    decay_steps: int = 0
+    #: where the cosine decay ends, as a fraction of the peak learning rate
+    decay_floor: float = 0.1
     #: AdamW's weight decay
     weight_decay: float = 0.0
     #: gradients are clipped to this global norm
@@ -94,6 +99,7 @@ class GRPOConfig:
         for field, number, low, above in (
             ("learning_rate", self.learning_rate, 0.0, True),
             ("warmup_steps", self.warmup_steps, 0.0, False),
+            ("decay_steps", self.decay_steps, 0.0, False),
             ("weight_decay", self.weight_decay, 0.0, False),
             ("max_grad_norm", self.max_grad_norm, 0.0, True),
             ("clip_high", self.clip_high, 0.0, False),
@@ -105,6 +111,7 @@ class GRPOConfig:
         ):
             check_range(f"grpo.{field}", number, low, above=above)
         check_range("grpo.clip_low", self.clip_low, 0.0, 1.0)
+        check_range("grpo.decay_floor", self.decay_floor, 0.0, 1.0)
         check_range("grpo.is_cap", self.is_cap, 0.0, above=True)
         if self.minibatches < 1 or self.microbatches < 1 or self.is_cap <= 0:
             raise InvalidConfigError("minibatches and microbatches must be >= 1, is_cap > 0")
@@ -122,10 +129,17 @@ class GRPOConfig:
             raise InvalidConfigError("overlong_buffer must lie in (0, overlong_max_tokens]")
 
     def optimizer(self) -> Any:
-        """AdamW with linear warm-up and global-norm clipping (an optax transformation)."""
+        """AdamW with linear warm-up, optionally cosine decay, and global-norm clipping (an
+        optax transformation)."""
         import optax
 
-        schedule = optax.linear_schedule(0.0, self.learning_rate, max(1, self.warmup_steps))
+        warmup = max(1, self.warmup_steps)
+        schedule = optax.linear_schedule(0.0, self.learning_rate, warmup)
+        if self.decay_steps:
+            decay = optax.cosine_decay_schedule(
+                self.learning_rate, self.decay_steps, alpha=self.decay_floor
+            )
+            schedule = optax.join_schedules([schedule, decay], [warmup])
         return optax.chain(
             optax.clip_by_global_norm(self.max_grad_norm),
             optax.adamw(schedule, weight_decay=self.weight_decay),

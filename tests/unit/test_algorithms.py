@@ -198,6 +198,38 @@ def test_unknown_variants_are_refused() -> None:
         GRPOConfig(overlong_max_tokens=10, overlong_buffer=20)
 
 
+@pytest.mark.parametrize("decay_steps", [0, 6])
+def test_the_learning_rate_warms_up_then_decays_as_computed_by_hand(decay_steps: int) -> None:
+    """Adam's first updates under a constant gradient move a parameter by exactly the
+    learning rate, so the steps taken trace the schedule."""
+    import optax
+
+    cfg = GRPOConfig(learning_rate=0.01, warmup_steps=4, decay_steps=decay_steps, decay_floor=0.2)
+    tx = cfg.optimizer()
+    params = {"w": jnp.zeros(())}
+    state = tx.init(params)
+    taken = []
+    for _ in range(12):
+        updates, state = tx.update({"w": jnp.asarray(0.5)}, state, params)
+        params = optax.apply_updates(params, updates)
+        taken.append(-float(updates["w"]))
+    expected = []
+    for t in range(12):  # optax counts updates from 0
+        if t < 4:
+            expected.append(0.01 * t / 4)
+        elif decay_steps == 0:
+            expected.append(0.01)
+        else:
+            d = min(t - 4, decay_steps) / decay_steps
+            expected.append(0.01 * (0.2 + 0.8 * 0.5 * (1 + np.cos(np.pi * d))))
+    np.testing.assert_allclose(taken, expected, rtol=1e-5, atol=1e-9)
+    from pipeline.errors import InvalidConfigError
+
+    for bad in ({"decay_steps": -1}, {"decay_floor": 1.5}, {"decay_floor": float("nan")}):
+        with pytest.raises(InvalidConfigError):
+            GRPOConfig(**bad)  # type: ignore[arg-type]
+
+
 def _groups(lengths: list[list[int]]) -> list[Any]:
     """Complete groups of trajectories of the given lengths, rewards varying."""
     rng = np.random.default_rng(3)
