@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.kafka.broker import ensure_jars, find_java, kafka_home
 from pipeline.kafka.client import MAX_MESSAGE_BYTES, KafkaConfig
+from pipeline.kafka.java import ensure_jars, find_java, kafka_home
 from pipeline.kafka.topics import TopicSpec, ensure_topics
 from pipeline.kafka.transport import Decoded, TrajectoryReader, TrajectoryWriter
 from pipeline.launch.cluster import Cluster

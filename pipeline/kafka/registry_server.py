@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import BrokerError, InvalidConfigError, MissingToolError
-from pipeline.kafka.broker import find_java
+from pipeline.kafka.java import find_java
 from pipeline.kafka.local_service import (
     LocalService,
     alive,

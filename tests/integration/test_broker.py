@@ -118,7 +118,7 @@ def test_missing_java_says_what_to_install(tmp_path: Path) -> None:
 def test_missing_maven_says_what_to_install(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pipeline.kafka.broker import ensure_jars
+    from pipeline.kafka.java import ensure_jars
 
     (tmp_path / "pom.xml").write_text("<project/>")
     monkeypatch.setenv("PATH", "/nonexistent")
