@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 from connectors.base import make, with_latency
 from pipeline.errors import InvalidConfigError
-from pipeline.policy.config import LoRAConfig, ModelConfig, SamplingConfig
+from pipeline.policy.config import LoRAConfig, ModelConfig, SamplingConfig, logprob_temperature
 from pipeline.rollout.config import AdmissionConfig, EpisodeLimits, ProducerConfig
 from pipeline.train.config import GRPOConfig, TrainerConfig
 
@@ -102,7 +102,10 @@ class RunConfig:
             )
         if self.eval_episodes < 0 or self.max_staleness < 0:
             raise InvalidConfigError("eval episodes and max staleness must not be negative")
-        if self.grpo.temperature not in (GRPOConfig.temperature, self.temperature or 1.0):
+        if self.grpo.temperature not in (
+            GRPOConfig.temperature,
+            logprob_temperature(self.temperature),
+        ):
             raise InvalidConfigError(
                 "grpo.temperature is the producers' sampling temperature: set --temperature "
                 f"(the trainer then uses it), not grpo.temperature={self.grpo.temperature}"
@@ -158,9 +161,8 @@ class RunConfig:
             metrics_port=self._metrics_port(0) if member == 0 else None,
             metrics_host=self.metrics_host,
             model=self.model,
-            # the trainer's log-probabilities under the producers' temperature (greedy
-            # producers record them at 1)
-            grpo=dataclasses.replace(self.grpo, temperature=self.temperature or 1.0),
+            # the trainer's log-probabilities under the producers' temperature
+            grpo=dataclasses.replace(self.grpo, temperature=logprob_temperature(self.temperature)),
             lora=self.lora,
             **group,  # type: ignore[arg-type]
         )

@@ -191,9 +191,13 @@ class SamplingConfig:
 
     @property
     def logprob_temperature(self) -> float:
-        """The temperature the recorded log-probabilities are taken at: the sampling
-        temperature, or 1 when greedy (the sampler scores greedy tokens unscaled)."""
-        return self.temperature if self.temperature > 0 else 1.0
+        return logprob_temperature(self.temperature)
+
+
+def logprob_temperature(sampling_temperature: float) -> float:
+    """The temperature recorded log-probabilities are taken at: the sampling temperature,
+    or 1 when greedy (the sampler scores greedy tokens unscaled)."""
+    return sampling_temperature if sampling_temperature > 0 else 1.0
 
 
 #: the linear layers of a block low-rank adapters may be put on (gate only exists in the
