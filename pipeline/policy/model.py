@@ -264,10 +264,17 @@ def finite_leaves(tree: Any) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
 
+#: one compiled computation for the whole tree: in a trainer group each leaf's check is
+#: a collective, and dozens of op-by-op collectives in flight at once over arrays sharded
+#: across processes deadlock both members (seen on CPU with gloo)
+_finite_leaves = jax.jit(finite_leaves)
+
+
 def all_finite(tree: Any) -> bool:
     """Whether every floating-point leaf of ``tree`` is finite (on the host)."""
-    return bool(
-        finite_leaves(
-            [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)]
-        )
-    )
+    leaves = [
+        x
+        for x in jax.tree.leaves(tree)
+        if jnp.issubdtype(x.dtype if hasattr(x, "dtype") else np.result_type(x), jnp.floating)
+    ]
+    return bool(_finite_leaves(leaves))

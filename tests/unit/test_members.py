@@ -211,3 +211,54 @@ def test_ledger_lines_of_a_start_that_died_before_its_first_checkpoint_are_redon
     assert proc.returncode == 0, proc.stderr[-2000:]
     trained = _trained(run_dir / "ledger.jsonl")
     assert "ghost" not in trained and len(trained) == len(set(trained)) == 2 * GROUPS * SIZE
+
+
+_FINITE_CHECK = """
+import sys
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from pipeline.policy.model import all_finite
+from pipeline.train.members import Members
+
+members = Members(2, int(sys.argv[2]), sys.argv[1])
+mesh = Mesh(np.array(jax.devices()).reshape(4), ("fsdp",))
+sharding = NamedSharding(mesh, P("fsdp"))
+def tree(bad):
+    leaves = []
+    for shape in [(256, 64), (64,), (64, 256), (256, 64), (64, 64), (64,), (64, 64)] * 4:
+        x = np.ones(shape, np.float32)
+        if bad:
+            x[-1] = np.nan  # in the last rows: the shard member 1 holds
+        leaves.append(jax.make_array_from_callback(shape, sharding, lambda i, x=x: x[i]))
+    return {"w": leaves, "step": np.int32(3)}
+print(all_finite(tree(False)), all_finite(tree(True)), flush=True)
+"""
+
+
+def test_a_finiteness_check_over_both_members_shards_answers_on_each(tmp_path: Path) -> None:
+    """The checkpoint's finiteness check over parameters sharded across two processes
+    answers on both (op by op, 28 leaves' collectives in flight at once hung both members
+    forever) and sees a NaN in the rows only the other member holds."""
+    script = tmp_path / "check.py"
+    script.write_text(_FINITE_CHECK)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    coordinator = free_coordinator()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), coordinator, str(i)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        results = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (out, err) in zip(procs, results, strict=True):
+        assert p.returncode == 0, err[-2000:]
+        assert out.splitlines()[-1].split() == ["True", "False"]  # after gloo's lines
