@@ -230,6 +230,10 @@ class TrainerConfig:
     member_index: int = 0
     #: host:port of the group's JAX coordinator, which member 0 serves
     coordinator: str = "127.0.0.1:7477"
+    #: a member of a group whose loop has not come round for this long (s) exits (a
+    #: member stopped answering, a collective never completed), so that the group is
+    #: restarted instead of hanging; longer than the slowest step or checkpoint
+    stall_timeout_s: float = 1800.0
     #: the policy: a preset's name (tiny, small, base), a Hugging Face checkpoint directory
     #: (Llama, Qwen2, Qwen3: rlstream model init makes one) or the sizes
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -256,6 +260,7 @@ class TrainerConfig:
             ("max_record_bytes", self.max_record_bytes, 1, False),
             ("max_abs_reward", self.max_abs_reward, 0, True),
             ("max_nonfinite_steps", self.max_nonfinite_steps, 1, False),
+            ("stall_timeout_s", self.stall_timeout_s, 0, True),
         ):
             check_range(name, value, low, above=above)
         check_range("min_logprob", self.min_logprob, high=0.0)

@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
+import threading
+import time
 from typing import Any
 
 import jax
@@ -30,6 +33,8 @@ log = logging.getLogger(__name__)
 
 #: seconds a member waits at start for every other member to join
 JOIN_TIMEOUT_S = 300
+#: the exit status of a member its watchdog ended (a stalled group)
+STALLED_EXIT = 75
 
 
 def free_coordinator() -> str:
@@ -151,3 +156,46 @@ class Members:
         from jax.experimental import multihost_utils
 
         return multihost_utils.process_allgather(tree, tiled=True)
+
+
+class Watchdog:
+    """Ends this member when its loop has not come round for ``timeout_s``.
+
+    A collective waits for every member, with no timeout of its own: a member that
+    stopped answering (stopped, swapped out, stuck in a collective the others never
+    entered) would hold the whole group forever, silently. The watchdog turns that into
+    an exit with a sentence (status :data:`STALLED_EXIT`), which ``rlstream run``
+    answers as it answers a crash: it restarts the group from its last checkpoint,
+    where the ledger makes the work done since count once. An exit as abrupt as a
+    SIGKILL, which the checkpoint protocol already survives."""
+
+    def __init__(self, timeout_s: float, where: str) -> None:
+        self.timeout_s, self.where = timeout_s, where
+        self.doing = "starting"
+        self._last = time.monotonic()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="watchdog", daemon=True)
+        self._thread.start()
+
+    def beat(self, doing: str) -> None:
+        """The loop came round; ``doing`` names what it does next (for the sentence)."""
+        self._last, self.doing = time.monotonic(), doing
+
+    def close(self) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        while not self._done.wait(min(5.0, self.timeout_s / 4)):
+            idle = time.monotonic() - self._last
+            if idle > self.timeout_s:
+                log.error(
+                    "%s made no progress for %.0f s (stall_timeout_s %.0f) while %s: a "
+                    "member stopped answering or a collective never completed; exiting "
+                    "so that the group restarts from its last checkpoint",
+                    self.where,
+                    idle,
+                    self.timeout_s,
+                    self.doing,
+                )
+                logging.shutdown()
+                os._exit(STALLED_EXIT)

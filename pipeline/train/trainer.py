@@ -64,7 +64,7 @@ from pipeline.train.config import TrainerConfig
 from pipeline.train.contract import RecordContract
 from pipeline.train.grpo import init_state, make_train_step
 from pipeline.train.intake import DeadLetters, HeldRecords, RecordJudge
-from pipeline.train.members import Members
+from pipeline.train.members import Members, Watchdog
 from pipeline.train.mesh import batch_sharding, make_mesh, state_shardings
 from pipeline.train.positions import PositionTracker
 from pipeline.train.publish import WeightsPublisher
@@ -91,6 +91,8 @@ class Trainer(PartitionReading):
         self.kafka = kafka
         self.on_step = on_step
         self.stop_event = threading.Event()
+        #: a group member's guard against a stalled group (None alone)
+        self.watchdog: Watchdog | None = None
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         self.members = Members(cfg.members, cfg.member_index, cfg.coordinator)  # before JAX runs
         #: this member's own files (ledger, metrics); checkpoints and weights are shared
@@ -261,15 +263,24 @@ class Trainer(PartitionReading):
     def stop(self) -> None:
         self.stop_event.set()
 
+    def _beat(self, doing: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat(doing)
+
     def run(self) -> int:
         """Train until ``max_steps`` or until stopped; returns the final step."""
         last_skip_check = 0.0
         step = int(self.state.step)
+        if self.members.many:
+            self.watchdog = Watchdog(
+                self.cfg.stall_timeout_s, f"trainer member {self.members.index}"
+            )
         self.warm_up()
         if self.source is None and not self.stop_event.is_set():
             self._subscribe()
         try:
             while True:
+                self._beat(f"agreeing on step {step + 1}")
                 if self.consumer_failed is not None and not self.stop_event.is_set():
                     self._renew_consumer()
                 t0 = time.perf_counter()
@@ -305,9 +316,12 @@ class Trainer(PartitionReading):
                     step = self._train()
                 elif action == "checkpoint":
                     self._checkpoint(announce=False)  # settle drops even when not training
+            self._beat("stopping")
             if self.members.agree([self.ledger.dirty])[:, 0].any():
                 self._checkpoint(announce=False)
         finally:
+            if self.watchdog is not None:
+                self.watchdog.close()
             self.consumer.close()
             if self.producer is not None:
                 self.producer.flush(10)
@@ -359,6 +373,7 @@ class Trainer(PartitionReading):
         """Compile the step for every batch shape now (ahead of time: nothing runs and
         the state is not touched), so that no step compiles once training runs."""
         for r, t in self._shapes():
+            self._beat(f"compiling the step for {r} rows of {t} tokens")
             # a stop during start-up is not held up by compiles (a group stops together)
             if self.members.agree([self.stop_event.is_set()])[:, 0].any():
                 return
@@ -456,6 +471,7 @@ class Trainer(PartitionReading):
             batch, members = self._assemble(groups, int(needs.max()))
         t1 = time.perf_counter()
         self.timers["assemble"] += t1 - t0
+        self._beat(f"training step {int(self.state.step) + 1}")
         with span("train_step", "train", step=int(self.state.step) + 1, trained=len(members)):
             self.state, metrics = self.train_step(
                 self.state, self.members.batch(batch, self.batch_sharding)
@@ -575,6 +591,7 @@ class Trainer(PartitionReading):
         """Ledger line durable, then the checkpoint, then offsets committed, then (if
         ``announce``) the parameters saved for producers and announced."""
         step = int(self.state.step)
+        self._beat(f"checkpointing step {step}")
         if not all_finite(self.state.trained):  # never saved, never announced
             raise TrainingDivergedError(
                 f"the parameters at step {step} are not finite; nothing was saved or "

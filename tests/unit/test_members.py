@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import fastavro
@@ -27,7 +29,7 @@ from pipeline.policy.tokenizer import TOKENIZER_ID
 from pipeline.records.codec import to_avro_dict
 from pipeline.testing import make_trajectory
 from pipeline.train.config import TrainerConfig
-from pipeline.train.members import free_coordinator
+from pipeline.train.members import STALLED_EXIT, free_coordinator
 
 STEPS, GROUPS, SIZE = 10, 4, 4
 
@@ -262,3 +264,33 @@ def test_a_finiteness_check_over_both_members_shards_answers_on_each(tmp_path: P
     for p, (out, err) in zip(procs, results, strict=True):
         assert p.returncode == 0, err[-2000:]
         assert out.splitlines()[-1].split() == ["True", "False"]  # after gloo's lines
+
+
+def test_a_member_that_stops_answering_ends_the_other_with_a_sentence(tmp_path: Path) -> None:
+    """Member 1 is frozen (SIGSTOP) mid-run: member 0, waiting in a collective that will
+    never complete, exits by its watchdog (status 75, one sentence) instead of hanging,
+    so that ``rlstream run`` restarts the group."""
+    rec = tmp_path / "rec.avro"
+    _recording(rec, steps=40)
+    run_dir = tmp_path / "2x2"
+    group = ["--members", "2", "--coordinator", free_coordinator(), "--fsdp", "4"]
+    slow = ["--stall-timeout-s", "20", "--step-delay-s", "1", "--publish-every", "1"]
+    members = [_train(rec, run_dir, 2, *group, *slow, "--member-index", str(i)) for i in range(2)]
+    try:
+        deadline = time.monotonic() + 300
+        ledger = run_dir / "ledger.jsonl"
+        while not (ledger.exists() and ledger.read_text().strip()):  # a step trained
+            assert time.monotonic() < deadline and members[0].poll() is None
+            time.sleep(0.5)
+        members[1].send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, err = members[0].communicate(timeout=120)
+        assert members[0].returncode == STALLED_EXIT, err[-3000:]
+        assert time.monotonic() - stopped >= 20
+        assert "trainer member 0 made no progress for" in err
+        assert "so that the group restarts from its last checkpoint" in err
+    finally:
+        members[1].send_signal(signal.SIGCONT)
+        for p in members:
+            p.kill()
+            p.communicate()
