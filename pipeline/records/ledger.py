@@ -97,6 +97,23 @@ def run_ledger(run_dir: Path) -> list[dict[str, Any]]:
     return [e for p in paths if p.exists() for e in read_ledger(p)]
 
 
+def durable_ledger(run_dir: Path) -> list[dict[str, Any]]:
+    """The ledger lines of every member that the run's newest checkpoint covers: what a
+    restart keeps. A line above it may still be removed by the next start (its work is
+    then done again), so a count of what is settled reads these."""
+    root = run_dir / "checkpoints"
+    done = [int(p.name) for p in root.iterdir() if p.name.isdigit()] if root.is_dir() else []
+    if not done:
+        return []
+    meta = json.loads((root / str(max(done)) / "meta" / "metadata").read_text())
+    out = []
+    for i, member in enumerate(meta["members"]):
+        path = member_dir(run_dir, i) / "ledger.jsonl"
+        if path.exists():
+            out += [e for e in read_ledger(path) if e["seq"] <= member["seq"]]
+    return out
+
+
 def outcomes(entries: list[dict[str, Any]]) -> dict[tuple[str, int, int], list[str]]:
     """What happened to each record the ledger settled, by (topic, partition, offset):
     ``"trained"`` or the drop reason, once per time it was settled (so a list longer than

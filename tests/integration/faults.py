@@ -19,7 +19,7 @@ from pipeline.kafka.client import KafkaConfig
 from pipeline.kafka.topics import rollout_topic
 from pipeline.kafka.transport import Decoded, TrajectoryReader
 from pipeline.observe.report import read_jsonl
-from pipeline.records.ledger import outcomes, read_ledger
+from pipeline.records.ledger import durable_ledger, outcomes, read_ledger
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -172,8 +172,7 @@ class Pipeline:
         return json.loads(lines[-1])
 
     def outcomes(self) -> dict[tuple[str, int, int], list[str]]:
-        path = self.run_dir / "ledger.jsonl"
-        return outcomes(read_ledger(path)) if path.exists() else {}
+        return outcomes(durable_ledger(self.run_dir))  # what a restart keeps
 
     def stop(self) -> None:
         for p in self.procs:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -286,8 +287,9 @@ def test_a_member_that_stops_answering_ends_the_other_with_a_sentence(tmp_path: 
         stopped = time.monotonic()
         _, err = members[0].communicate(timeout=120)
         assert members[0].returncode == STALLED_EXIT, err[-3000:]
-        assert time.monotonic() - stopped >= 20
-        assert "trainer member 0 made no progress for" in err
+        waited = re.search(r"trainer member 0 made no progress for (\d+) s", err)
+        assert waited and int(waited.group(1)) >= 20, err[-3000:]
+        assert time.monotonic() - stopped < 20 + 30  # the timeout, a check's interval, exit
         assert "so that the group restarts from its last checkpoint" in err
     finally:
         members[1].send_signal(signal.SIGCONT)
