@@ -107,7 +107,7 @@ def durable_ledger(run_dir: Path) -> list[dict[str, Any]]:
         return []
     meta = json.loads((root / str(max(done)) / "meta" / "metadata").read_text())
     out = []
-    for i, member in enumerate(meta["members"]):
+    for i, member in enumerate(meta.get("members", [meta])):  # older: one trainer's seq
         path = member_dir(run_dir, i) / "ledger.jsonl"
         if path.exists():
             out += [e for e in read_ledger(path) if e["seq"] <= member["seq"]]

@@ -260,7 +260,7 @@ class TrainerConfig:
             ("max_record_bytes", self.max_record_bytes, 1, False),
             ("max_abs_reward", self.max_abs_reward, 0, True),
             ("max_nonfinite_steps", self.max_nonfinite_steps, 1, False),
-            ("stall_timeout_s", self.stall_timeout_s, 0, True),
+            ("stall_timeout_s", self.stall_timeout_s, 10, False),  # not a restart loop
         ):
             check_range(name, value, low, above=above)
         check_range("min_logprob", self.min_logprob, high=0.0)

@@ -158,6 +158,8 @@ def test_short_flags_reach_their_sections_and_a_preset_can_be_refined() -> None:
         ({"grpo": {"clip_low": 1.5}}, "grpo.clip_low must be a finite number in [0, 1]"),
         ({"grpo": {"max_grad_norm": 0}}, "grpo.max_grad_norm must be a finite number > 0"),
         ({"batch_timeout_s": 0}, "batch_timeout_s must be a finite number > 0"),
+        # a watchdog that fires at once would restart a trainer group for ever
+        ({"stall_timeout_s": 0.001}, "stall_timeout_s must be a finite number >= 10"),
         ({"group_size": 0}, "group_size must be a finite number >= 1"),
         ({"min_logprob": 5}, "min_logprob must be a finite number <= 0"),
         ({"buckets": [1]}, "buckets must be lengths of at least 2"),
