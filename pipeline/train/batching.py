@@ -55,6 +55,10 @@ class Refused(NamedTuple):
     detail: str
 
 
+def _in_partitions(g: Group, tps: set[tuple[str, int]]) -> bool:
+    return any((m.where.topic, m.where.partition) in tps for m in g.members.values())
+
+
 class GroupBuffer:
     """Trajectories waiting for the rest of their group. ``add`` returns the group if it
     just became complete, a :class:`Refused` for a member that cannot join it, or None;
@@ -111,11 +115,7 @@ class GroupBuffer:
         return out
 
     def drop_partitions(self, tps: set[tuple[str, int]]) -> list[Group]:
-        gone = [
-            gid
-            for gid, g in self._groups.items()
-            if any((m.where.topic, m.where.partition) in tps for m in g.members.values())
-        ]
+        gone = [gid for gid, g in self._groups.items() if _in_partitions(g, tps)]
         return [self._remove(gid) for gid in gone]
 
     def __iter__(self) -> Iterator[Group]:
@@ -153,6 +153,17 @@ class GroupQueue:
         out = [g for q in self._queues.values() for g in q]
         for q in self._queues.values():
             q.clear()
+        return out
+
+    def drop_partitions(self, tps: set[tuple[str, int]]) -> list[Group]:
+        """Let the queued groups of partitions ``tps`` go (their records will be read
+        again)."""
+        out = []
+        for q in self._queues.values():
+            gone = [g for g in q if _in_partitions(g, tps)]
+            for g in gone:
+                q.remove(g)
+            out += gone
         return out
 
     def take(self, n: int) -> list[Group]:

@@ -33,10 +33,11 @@ class PositionTracker:
         self._pending.setdefault(tp, set()).add(offset)
         self._next[tp] = max(self._next.get(tp, 0), offset + 1)
 
-    def forget(self, tp: TP) -> None:
-        """The partition was revoked: its pending records will be read again elsewhere."""
-        self._next.pop(tp, None)
-        self._pending.pop(tp, None)
+    def let_go(self, tp: TP) -> None:
+        """What was read of ``tp`` and not settled will be read again: reading restarts
+        at ``low(tp)``, and the settled ranges above it stay known (so that they are
+        skipped, not settled twice, when they are read again)."""
+        self.start(tp, self.low(tp))
 
     # ---- settling --------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 import zlib
 from typing import Any
 
@@ -63,6 +64,7 @@ class PartitionReading:
     consumer_renewals: int
     commit_failures: int
     _uncommitted: list[Any]
+    _committing: list[Any] | None
     _pattern: str
 
     def _new_consumer(self) -> Any:
@@ -76,6 +78,7 @@ class PartitionReading:
             **{
                 "group.instance.id": f"{cfg.namespace}.trainer.{instance}",
                 "session.timeout.ms": 30000,
+                "on_commit": self._committed,
             },
         )
 
@@ -90,11 +93,11 @@ class PartitionReading:
             "trainer's positions",
             self.consumer_failed,
         )
-        dropped = self.buffer.clear() + self.ready.clear()
-        self.buffer.forget_done(g.group_id for g in dropped)
-        self.held.clear()
+        self._let_go(None)
         self.reading_paused = False
-        self.tracker = PositionTracker.from_json(self.tracker.to_json())  # pending let go
+        if self._committing is not None and not self._uncommitted:
+            self._uncommitted = self._committing  # its answer went with the old consumer
+        self._committing = None
         try:
             self.consumer.close()
         except (confluent_kafka.KafkaException, RuntimeError) as e:
@@ -156,12 +159,27 @@ class PartitionReading:
         log.info("assigned partitions=%s", [(p.topic, p.partition, p.offset) for p in partitions])
 
     def _on_revoke(self, consumer: Any, partitions: list[Any]) -> None:
-        tps = {(p.topic, p.partition) for p in partitions}
-        dropped = self.buffer.drop_partitions(tps)  # their new owner reads them again
-        self.held.drop_partitions(tps)
-        for tp in tps:
-            self.tracker.forget(tp)
-        log.info("revoked partitions=%d buffered_groups_released=%d", len(tps), len(dropped))
+        released = self._let_go({(p.topic, p.partition) for p in partitions})
+        log.info("revoked partitions=%d buffered_groups_released=%d", len(partitions), released)
+
+    def _let_go(self, tps: set[tuple[str, int]] | None) -> int:
+        """Let go of what was read from partitions ``tps`` (every partition when None)
+        and not settled: groups waiting to complete or to be trained, held records. It
+        is read again from the trainer's own positions, which stay: a trainer's
+        partitions come back to it after a rebalance (its session timed out while the
+        broker was away, say), and whatever Kafka's committed offset says meanwhile, the
+        records it settled are skipped, not trained or dropped twice. Returns how many
+        groups were let go."""
+        if tps is None:
+            dropped = self.buffer.clear() + self.ready.clear()
+            self.held.clear()
+        else:
+            dropped = self.buffer.drop_partitions(tps) + self.ready.drop_partitions(tps)
+            self.held.drop_partitions(tps)
+        self.buffer.forget_done(g.group_id for g in dropped)  # they will complete again
+        for tp in self.tracker.partitions() if tps is None else tps:
+            self.tracker.let_go(tp)
+        return len(dropped)
 
     def _stale_until(self, tps: list[Any]) -> dict[tuple[str, int], int]:
         """Per partition, the first offset that may not be certainly stale."""
@@ -188,7 +206,14 @@ class PartitionReading:
         for key, end in self._stale_until(self.consumer.assignment()).items():
             start = self.tracker.next(key)
             if self._settle_stale(key, start, end) != start:
-                self.consumer.seek(confluent_kafka.TopicPartition(*key, end))
+                try:
+                    self.consumer.seek(confluent_kafka.TopicPartition(*key, end))
+                except confluent_kafka.KafkaException as e:  # (revoked meanwhile, say)
+                    log.info(
+                        "no seek past the stale range (its records are skipped "
+                        "one by one as they are read): %s",
+                        e,
+                    )
 
     def _lag(self) -> int:
         """Records of the assigned partitions not trained or dropped yet."""
@@ -203,20 +228,57 @@ class PartitionReading:
         return total
 
     def _commit(self) -> None:
-        """Commit the last checkpoint's offsets. A failure loses nothing (the checkpoint
-        holds the positions) but leaves producers' view of the lag behind, and producers
-        held back by that view send nothing that would make the trainer checkpoint again:
-        so a failed commit is retried every two seconds, not at the next checkpoint."""
-        if not self._uncommitted:
+        """Commit the last checkpoint's offsets, asynchronously: a commit waits for the
+        group coordinator, which a broker restart takes away for as long as the client
+        needs to find it again (half a minute, seen), and the loop must not wait with it.
+        :meth:`_committed` hears the answer. A failure loses nothing (the checkpoint holds
+        the positions) but leaves producers' view of the lag behind, and producers held
+        back by that view send nothing that would make the trainer checkpoint again: so a
+        failed commit is retried every two seconds, not at the next checkpoint. One commit
+        is in flight at a time; a newer checkpoint's offsets replace older ones waiting."""
+        if self.source is not None:  # (a recording commits nowhere)
+            self._uncommitted = []
+        if not self._uncommitted or self._committing is not None:
+            return
+        offsets, self._uncommitted = self._uncommitted, []
+        try:
+            self.consumer.commit(offsets=offsets, asynchronous=True)
+            self._committing = offsets
+        except confluent_kafka.KafkaException as e:
+            self._commit_failed(offsets, e.args[0] if e.args else e)
+
+    def _finish_commits(self, timeout_s: float = 10.0) -> None:
+        """At a stop, before the consumer closes: the last checkpoint's offsets committed
+        (reading paused meanwhile), waiting at most ``timeout_s``: what is not committed
+        by then is in the checkpoint, where a restart reads it."""
+        if self.source is not None or not (self._uncommitted or self._committing):
             return
         try:
-            self.consumer.commit(offsets=self._uncommitted, asynchronous=False)
-            self._uncommitted = []
+            self.consumer.pause(self.consumer.assignment())
         except confluent_kafka.KafkaException as e:
-            self.commit_failures += 1
-            log.warning("offset commit failed (retried in 2 s): %s", e)
-            if e.args and fatal(e.args[0]):
-                self.consumer_failed = e.args[0].str()
+            log.info("reading not paused before the last commit: %s", e)
+        deadline = time.monotonic() + timeout_s
+        while (self._uncommitted or self._committing) and self.consumer_failed is None:
+            if time.monotonic() > deadline:
+                log.warning("the last offsets were not committed within %.0f s", timeout_s)
+                return
+            self._commit()
+            self.consumer.poll(0.1)  # (answers the commit; reading is paused)
+
+    def _committed(self, err: Any, partitions: list[Any]) -> None:
+        """The consumer's answer to :meth:`_commit` (called from within ``consume``)."""
+        offsets, self._committing = self._committing, None
+        err = err or next((p.error for p in partitions or () if p.error is not None), None)
+        if err is not None and offsets is not None:
+            self._commit_failed(offsets, err)
+
+    def _commit_failed(self, offsets: list[Any], err: Any) -> None:
+        self.commit_failures += 1
+        log.warning("offset commit failed (retried in 2 s): %s", err)
+        if not self._uncommitted:  # (a newer checkpoint's offsets supersede these)
+            self._uncommitted = offsets
+        if fatal(err):
+            self.consumer_failed = err.str()
 
     def _own_positions(self) -> dict[str, Any]:
         """The positions this member saves: in a group, only those of the partitions it

@@ -36,11 +36,16 @@ class StaleRanges:
             return {}
         query = [confluent_kafka.TopicPartition(p.topic, p.partition, since_ms) for p in tps]
         out = {}
-        for tp in consumer.offsets_for_times(query, timeout=5):
-            end = tp.offset
-            if end < 0:  # nothing at or after the time: all of it is stale
-                _, end = consumer.get_watermark_offsets(tp, timeout=5)
-            out[(tp.topic, tp.partition)] = end
+        try:
+            for tp in consumer.offsets_for_times(query, timeout=5):
+                end = tp.offset
+                if end < 0:  # nothing at or after the time: all of it is stale
+                    _, end = consumer.get_watermark_offsets(tp, timeout=5)
+                out[(tp.topic, tp.partition)] = end
+        except confluent_kafka.KafkaException as e:
+            # (a broker away or just back: unknown partitions for a moment) a skip saves
+            # reading only; the records are read and filtered one by one meanwhile
+            log.info("stale ranges not looked up this time: %s", e)
         return out
 
     def broker_timestamps(self, topic: str) -> bool:

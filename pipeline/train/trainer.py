@@ -159,7 +159,8 @@ class Trainer(PartitionReading):
         #: why the consumer failed for good (a fatal error), until a new one replaces it
         self.consumer_failed: str | None = None
         #: offsets of the last checkpoint whose commit failed (retried until it succeeds)
-        self._uncommitted: list[Any] = []
+        self._uncommitted: list[Any] = []  # the last checkpoint's offsets, to commit
+        self._committing: list[Any] | None = None  # a commit awaiting its answer
         self.trained = 0  # samples trained by this process
         self.last_metrics: dict[str, Any] = {}  # the latest step's metrics row
         self.started_at = time.monotonic()
@@ -322,6 +323,7 @@ class Trainer(PartitionReading):
         finally:
             if self.watchdog is not None:
                 self.watchdog.close()
+            self._finish_commits()
             self.consumer.close()
             if self.producer is not None:
                 self.producer.flush(10)

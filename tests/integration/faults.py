@@ -152,8 +152,13 @@ class Pipeline:
         )
 
     def log(self, name: str) -> str:
+        """The end of a process's log, less librdkafka's connection failures (a broker
+        away for seconds writes hundreds)."""
         path = self.run_dir / "logs" / f"{name}.log"
-        return path.read_text()[-3000:] if path.exists() else ""
+        if not path.exists():
+            return ""
+        lines = [x for x in path.read_text().splitlines() if "Connect to ipv4" not in x]
+        return "\n".join(lines)[-3000:]
 
     def steps(self) -> list[dict[str, Any]]:
         return read_jsonl(self.run_dir / "metrics.jsonl")

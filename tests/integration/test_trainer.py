@@ -423,6 +423,50 @@ def test_a_trainer_fenced_out_of_its_group_reads_on_with_a_new_consumer(
     assert sorted(trained) == sorted(ids)  # each once, none lost
 
 
+def test_partitions_revoked_and_assigned_again_are_read_from_the_trainers_own_positions(
+    kafka: KafkaConfig, namespace: str, tmp_path: Path
+) -> None:
+    """A rebalance takes the trainer's partitions and gives them back (as after a session
+    that timed out while the broker was away), and meanwhile Kafka's committed offset went
+    back to 0 (another member of the group committed it). The trainer reads on from its
+    own positions: nothing it settled before is read, trained or dropped again."""
+    ensure_topics(kafka, namespace_topics(namespace, ["math"], 2))
+    ids = produce_groups(kafka, namespace, 8)
+    trainer = Trainer(trainer_config(namespace, tmp_path, max_staleness=100), kafka)
+    th = threading.Thread(target=trainer.run, daemon=True)
+    th.start()
+    try:
+        deadline = time.monotonic() + 120
+        while trainer.trained < len(ids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert trainer.trained == len(ids)
+        # a member without a static id: it leaves the group when it closes
+        other = kafka.consumer(f"{namespace}.trainer", **{"session.timeout.ms": 10000})
+        other.subscribe([rollout_topic(namespace, "math")])
+        deadline = time.monotonic() + 60
+        while not other.assignment() and time.monotonic() < deadline:
+            other.poll(0.5)
+        mine = other.assignment()
+        assert mine, "the rebalance never gave the other member a partition"
+        other.commit(
+            offsets=[TopicPartition(tp.topic, tp.partition, 0) for tp in mine],
+            asynchronous=False,
+        )
+        other.close()
+        ids += produce_groups(kafka, namespace, 4, seed=1)
+        deadline = time.monotonic() + 120
+        while trainer.trained < len(ids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        trainer.stop()
+        th.join(60)
+    entries = read_ledger(tmp_path / "ledger.jsonl")
+    twice = {k: v for k, v in outcomes(entries).items() if len(v) > 1}
+    assert not twice, f"settled more than once: {sorted(twice.items())[:5]}"
+    trained = [t[0] for e in entries for t in e["trained"]]
+    assert sorted(trained) == sorted(ids)  # each once, none lost
+
+
 def test_a_lora_trainer_trains_and_announces_only_its_adapters(
     kafka: KafkaConfig, namespace: str, tmp_path: Path
 ) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
 from unittest.mock import ANY
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from pipeline.kafka.transport import Coordinates
 from pipeline.policy.config import ModelConfig
@@ -16,6 +18,7 @@ from pipeline.train.batching import Group, GroupBuffer, GroupQueue, Refused, ass
 from pipeline.train.config import GRPOConfig
 from pipeline.train.grpo import Batch, init_state, make_train_step
 from pipeline.train.positions import PositionTracker
+from pipeline.train.stale import StaleRanges
 
 TP = ("ns.rollouts.a", 0)
 
@@ -47,6 +50,26 @@ def test_ranges_settle_without_reading() -> None:
     assert t.low(TP) == 0 and t.is_settled(TP, 500) and t.next(TP) == 1000
     t.settle(TP, 0)
     assert t.low(TP) == 1000
+
+
+def test_a_partition_let_go_is_read_again_from_its_low_and_skips_what_was_settled() -> None:
+    """A revoked partition (given back by the next rebalance): its pending records are
+    read again, its settled ones are not settled twice, and its position stays."""
+    t = PositionTracker()
+    for o in range(10):
+        t.read(TP, o)
+    t.settle_range(TP, 0, 3)
+    t.settle_range(TP, 5, 7)
+    t.let_go(TP)
+    assert TP in t.partitions() and t.low(TP) == 3 and t.next(TP) == 3
+    assert t.pending_count(TP) == 0
+    assert [o for o in range(10) if t.is_settled(TP, o)] == [0, 1, 2, 5, 6]
+    for o in range(3, 10):  # read again: the settled ones are skipped
+        t.skip(TP, o) if t.is_settled(TP, o) else t.read(TP, o)
+    assert t.pending_count(TP) == 5 and t.low(TP) == 3
+    for o in (3, 4, 7, 8, 9):
+        t.settle(TP, o)
+    assert t.low(TP) == 10
 
 
 def where(o: int) -> Coordinates:
@@ -89,6 +112,14 @@ def test_queue_follows_mixing_weights() -> None:
             q.put(g)
     taken = [g.env for g in q.take(8)]
     assert taken.count("a") == 6 and taken.count("b") == 2
+    # a revoked partition's queued groups are let go, the others stay queued
+    other = ("ns.rollouts.a", 1)
+    g = buf.add(make_trajectory(4, env="a", group_id="elsewhere"), Coordinates(*other, 0, 0))
+    assert g is not None
+    q.put(g)
+    before = len(q)
+    assert q.drop_partitions({other}) == [g] and len(q) == before - 1
+    assert len(q.drop_partitions({TP})) == before - 1 and len(q) == 0
 
 
 def test_assemble_pads_to_a_bucket_and_normalises_rewards() -> None:
@@ -179,3 +210,22 @@ def test_unsettled_parts_of_a_range() -> None:
     restored = PositionTracker.from_json(t.to_json())
     assert restored.low(TP) == 3
     assert restored.unsettled(TP, 0, 20) == [(3, 5), (10, 20)]
+
+
+def test_stale_ranges_looked_up_while_the_broker_is_away_skip_nothing() -> None:
+    """Right after a broker restart the partitions are unknown for a moment: the lookup
+    of stale ranges answers "nothing to skip" (the records are filtered one by one as
+    they are read), where it used to end the trainer with the consumer's exception."""
+
+    class Away:
+        def offsets_for_times(self, partitions: Any, timeout: float = 0) -> Any:
+            raise KafkaException(KafkaError(KafkaError._UNKNOWN_PARTITION))
+
+    class Back:
+        def offsets_for_times(self, partitions: Any, timeout: float = 0) -> Any:
+            return [TopicPartition(p.topic, p.partition, 7) for p in partitions]
+
+    ranges = StaleRanges(None)
+    ranges._timestamp_types[TP[0]] = True  # a LogAppendTime topic
+    assert ranges.until(Away(), [TopicPartition(*TP)], 1000) == {}
+    assert ranges.until(Back(), [TopicPartition(*TP)], 1000) == {TP: 7}
