@@ -11,6 +11,8 @@ import subprocess
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -103,14 +105,27 @@ def announcements(kafka: KafkaConfig, ns: str) -> list[dict[str, Any]]:
     return anns
 
 
-def run_until(trainer: Trainer, cond, timeout: float = 90) -> None:  # type: ignore[no-untyped-def]
+@contextmanager
+def running(trainer: Trainer) -> Iterator[None]:
+    """The trainer runs in a thread for the ``with`` block, and is stopped after it."""
     th = threading.Thread(target=trainer.run, daemon=True)
     th.start()
+    try:
+        yield
+    finally:
+        trainer.stop()
+        th.join(60)
+
+
+def wait_until(cond: Callable[[], bool], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not cond() and time.monotonic() < deadline:
         time.sleep(0.2)
-    trainer.stop()
-    th.join(60)
+
+
+def run_until(trainer: Trainer, cond: Callable[[], bool], timeout: float = 90) -> None:
+    with running(trainer):
+        wait_until(cond, timeout)
     assert cond(), "the trainer did not get there in time"
 
 
@@ -395,12 +410,8 @@ def test_a_trainer_fenced_out_of_its_group_reads_on_with_a_new_consumer(
     ensure_topics(kafka, namespace_topics(namespace, ["math"], 2))
     ids = produce_groups(kafka, namespace, 4)
     trainer = Trainer(trainer_config(namespace, tmp_path, max_staleness=100), kafka)
-    th = threading.Thread(target=trainer.run, daemon=True)
-    th.start()
-    try:
-        deadline = time.monotonic() + 120
-        while trainer.version < 1 and time.monotonic() < deadline:
-            time.sleep(0.2)
+    with running(trainer):
+        wait_until(lambda: trainer.version >= 1, 120)
         assert trainer.version >= 1
         intruder = kafka.consumer(
             f"{namespace}.trainer",
@@ -413,12 +424,7 @@ def test_a_trainer_fenced_out_of_its_group_reads_on_with_a_new_consumer(
         intruder.close()
         assert trainer.consumer_renewals >= 1, "the trainer's consumer was never fenced"
         ids += produce_groups(kafka, namespace, 4, seed=1)
-        deadline = time.monotonic() + 120
-        while trainer.trained < len(ids) and time.monotonic() < deadline:
-            time.sleep(0.2)
-    finally:
-        trainer.stop()
-        th.join(60)
+        wait_until(lambda: trainer.trained >= len(ids), 120)
     trained = [t[0] for e in read_ledger(tmp_path / "ledger.jsonl") for t in e["trained"]]
     assert sorted(trained) == sorted(ids)  # each once, none lost
 
@@ -433,12 +439,8 @@ def test_partitions_revoked_and_assigned_again_are_read_from_the_trainers_own_po
     ensure_topics(kafka, namespace_topics(namespace, ["math"], 2))
     ids = produce_groups(kafka, namespace, 8)
     trainer = Trainer(trainer_config(namespace, tmp_path, max_staleness=100), kafka)
-    th = threading.Thread(target=trainer.run, daemon=True)
-    th.start()
-    try:
-        deadline = time.monotonic() + 120
-        while trainer.trained < len(ids) and time.monotonic() < deadline:
-            time.sleep(0.2)
+    with running(trainer):
+        wait_until(lambda: trainer.trained >= len(ids), 120)
         assert trainer.trained == len(ids)
         # a member without a static id: it leaves the group when it closes
         other = kafka.consumer(f"{namespace}.trainer", **{"session.timeout.ms": 10000})
@@ -454,12 +456,7 @@ def test_partitions_revoked_and_assigned_again_are_read_from_the_trainers_own_po
         )
         other.close()
         ids += produce_groups(kafka, namespace, 4, seed=1)
-        deadline = time.monotonic() + 120
-        while trainer.trained < len(ids) and time.monotonic() < deadline:
-            time.sleep(0.2)
-    finally:
-        trainer.stop()
-        th.join(60)
+        wait_until(lambda: trainer.trained >= len(ids), 120)
     entries = read_ledger(tmp_path / "ledger.jsonl")
     twice = {k: v for k, v in outcomes(entries).items() if len(v) > 1}
     assert not twice, f"settled more than once: {sorted(twice.items())[:5]}"
