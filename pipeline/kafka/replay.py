@@ -452,8 +452,5 @@ class RecordingSource:
     def seek(self, tp: Any) -> None:
         raise RlstreamError("a recording is read in order; seeking is not supported")
 
-    def commit(self, offsets: Any = None, asynchronous: bool = True) -> None:
-        return None
-
     def close(self) -> None:
         return None

@@ -158,9 +158,10 @@ class Trainer(PartitionReading):
         self.consumer_renewals = 0  # consumers replaced after a fatal error
         #: why the consumer failed for good (a fatal error), until a new one replaces it
         self.consumer_failed: str | None = None
-        #: offsets of the last checkpoint whose commit failed (retried until it succeeds)
-        self._uncommitted: list[Any] = []  # the last checkpoint's offsets, to commit
-        self._committing: list[Any] | None = None  # a commit awaiting its answer
+        #: the last checkpoint's offsets, to commit (again, after a failure)
+        self._uncommitted: list[Any] = []
+        #: the offsets of the commit awaiting its answer
+        self._committing: list[Any] | None = None
         self.trained = 0  # samples trained by this process
         self.last_metrics: dict[str, Any] = {}  # the latest step's metrics row
         self.started_at = time.monotonic()
