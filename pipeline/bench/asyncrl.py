@@ -19,7 +19,7 @@ from typing import Any
 from pipeline.launch.cluster import Cluster
 from pipeline.launch.config import RunConfig
 from pipeline.launch.run import Run
-from pipeline.launch.stop import StopFlag
+from pipeline.launch.stop import process_flag
 from pipeline.observe.report import busy_share, mean_over_envs, moving_mean, trainer_metrics
 
 MODES = ("async", "sync")
@@ -30,7 +30,7 @@ def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
     base = Path(args.run_dir or f"runs/bench-async-{stamp}")
     latency_ms = 100.0 if args.latency_ms is None else args.latency_ms
     sigma = 1.5 if args.latency_sigma is None else args.latency_sigma
-    stop = StopFlag().install()
+    stop = process_flag()
     walls, busy, success, curves = {}, {}, {}, {}
     with cluster as kafka:
         for mode in MODES:

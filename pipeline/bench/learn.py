@@ -29,7 +29,7 @@ from pipeline.errors import InvalidConfigError
 from pipeline.launch.cluster import Cluster
 from pipeline.launch.config import RunConfig
 from pipeline.launch.run import Run
-from pipeline.launch.stop import StopFlag
+from pipeline.launch.stop import process_flag
 from pipeline.settings import leaf_paths, resolve
 
 
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
     combos = grid(list(getattr(args, "grid", None) or []))
     fixed = {"steps": args.steps} if args.steps else {}
     configs = [resolve(RunConfig, {**fixed, **c}) for c in combos]  # refused before any run
-    stop = StopFlag().install()
+    stop = process_flag()
     results: list[dict[str, Any]] = []
     with cluster as kafka:
         for n, (settings, cfg) in enumerate(zip(combos, configs, strict=True)):

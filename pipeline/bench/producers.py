@@ -18,7 +18,7 @@ from typing import Any
 from pipeline.launch.cluster import Cluster
 from pipeline.launch.config import RunConfig
 from pipeline.launch.run import Run
-from pipeline.launch.stop import StopFlag
+from pipeline.launch.stop import process_flag
 from pipeline.observe.report import busy_share, trainer_metrics
 
 COUNTS = (1, 2, 4)
@@ -27,7 +27,7 @@ COUNTS = (1, 2, 4)
 def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     base = Path(args.run_dir or f"runs/bench-producers-{stamp}")
-    stop = StopFlag().install()
+    stop = process_flag()
     figures: dict[str, Any] = {}
     with cluster as kafka:
         for n in COUNTS:

@@ -24,7 +24,7 @@ from pipeline.cli.common import (
 )
 from pipeline.kafka.topics import ensure_topics, namespace_topics, rollout_topic
 from pipeline.kafka.transport import Rejected, TrajectoryReader, TrajectoryWriter
-from pipeline.launch.stop import StopFlag
+from pipeline.launch.stop import process_flag
 from pipeline.testing import make_trajectory
 
 
@@ -48,7 +48,7 @@ ENV = "synthetic"
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    stop = StopFlag().install()
+    stop = process_flag()
     with cluster(args) as kafka:
         ensure_topics(kafka, namespace_topics(args.namespace, [ENV], args.partitions))
         rng = np.random.default_rng(0)

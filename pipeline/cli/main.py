@@ -9,28 +9,31 @@ SIGTERM.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from pipeline.cli import (
-    bench,
-    broker,
-    check,
-    config,
-    env,
-    model,
-    produce,
-    registry,
-    replay,
-    run,
-    train,
-)
 from pipeline.errors import RlstreamError
+from pipeline.launch import stop
 
-COMMANDS = (broker, registry, replay, env, run, check, produce, train, model, bench, config)
+#: the modules of pipeline.cli that register the sub-commands, in the order of --help
+#: (imported by build_parser, after main has installed the stop flag)
+COMMANDS = (
+    "broker",
+    "registry",
+    "replay",
+    "env",
+    "run",
+    "check",
+    "produce",
+    "train",
+    "model",
+    "bench",
+    "config",
+)
 
 
 def version_line() -> str:
@@ -71,8 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action=_Version, help="show versions and exit")
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in COMMANDS:
-        command.register(sub)
+    for name in COMMANDS:
+        importlib.import_module(f"pipeline.cli.{name}").register(sub)
     for p in subcommands(parser):  # every sub-command's help shows every default
         p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     return parser
@@ -89,6 +92,14 @@ def subcommands(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    _, restore = stop.begin()  # first: a signal while the process starts is kept
+    try:
+        return _main(argv)
+    finally:
+        restore()
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

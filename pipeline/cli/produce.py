@@ -16,7 +16,7 @@ from pipeline.cli.common import (
     print_result,
     run_process,
 )
-from pipeline.launch.stop import StopFlag
+from pipeline.launch.stop import process_flag
 from pipeline.settings import add_flags, resolve
 
 
@@ -36,8 +36,7 @@ def register(sub: Any) -> None:
 
 
 def cmd_produce(args: argparse.Namespace) -> int:
-    # first: a SIGTERM while JAX loads stops the producer cleanly when it starts
-    stop = StopFlag().install()
+    stop = process_flag()  # a SIGTERM since the process began stops it once it runs
     from connectors import stats as connector_stats
     from pipeline.kafka.topics import ensure_topics, namespace_topics
     from pipeline.rollout.config import ProducerConfig

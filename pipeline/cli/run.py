@@ -20,7 +20,7 @@ from pipeline.cli.common import (
     pct,
     print_result,
 )
-from pipeline.launch.stop import StopFlag
+from pipeline.launch.stop import process_flag
 from pipeline.settings import add_flags, resolve
 
 
@@ -96,7 +96,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     namespace = args.namespace or f"run-{stamp}-{os.getpid() % 10000}"
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / namespace
-    stop = StopFlag().install()
+    stop = process_flag()
     with cluster(args) as kafka:
         result = Run(cfg, kafka, run_dir, namespace, stop.event).execute()
     f = result.figures

@@ -16,7 +16,7 @@ from pipeline.cli.common import (
     print_result,
     run_process,
 )
-from pipeline.launch.stop import StopFlag
+from pipeline.launch.stop import process_flag
 from pipeline.settings import add_flags, resolve, write_file
 
 
@@ -42,8 +42,7 @@ def register(sub: Any) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    # first: a SIGTERM while JAX loads stops the trainer cleanly (exit 0) when it starts
-    stop = StopFlag().install()
+    stop = process_flag()  # a SIGTERM since the process began stops it once it runs
     from pipeline.train.config import TrainerConfig
     from pipeline.train.trainer import Trainer
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -26,6 +27,32 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "pipeline.cli", *args]
+
+
+def terminate_as_it_starts(proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
+    """SIGTERM an ``rlstream`` process the moment it handles SIGTERM (read from
+    /proc), and check that this moment came before it loaded numpy, the first of the
+    libraries it needs seconds to load under load (JAX, ml_dtypes): a signal in that
+    time must stop it cleanly once it runs, not kill it."""
+    proc_dir = Path(f"/proc/{proc.pid}")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, "it never handled SIGTERM"
+        try:
+            ours = b"pipeline.cli" in (proc_dir / "cmdline").read_bytes()  # (exec'd)
+            caught = next(
+                line
+                for line in (proc_dir / "status").read_text().splitlines()
+                if line.startswith("SigCgt:")
+            )
+        except (OSError, StopIteration):
+            ours = False
+        if ours and int(caught.split()[1], 16) & (1 << (signal.SIGTERM - 1)):
+            break
+        time.sleep(0.001)
+    numpy_loaded = "numpy" in (proc_dir / "maps").read_text()
+    proc.send_signal(signal.SIGTERM)
+    assert not numpy_loaded, "its stop handler was installed only once numpy had loaded"
 
 
 def guess_trainer(common: list[str], run_dir: Path, *flags: str) -> list[str]:

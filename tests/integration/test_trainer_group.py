@@ -21,7 +21,7 @@ from pipeline.kafka.topics import ensure_topics, namespace_topics, rollout_topic
 from pipeline.kafka.transport import Decoded, TrajectoryReader
 from pipeline.records.ledger import durable_ledger, outcomes, run_ledger
 from pipeline.train.members import free_coordinator
-from tests.integration.faults import cli, guess_producer, guess_trainer
+from tests.integration.faults import cli, guess_producer, guess_trainer, terminate_as_it_starts
 
 EPISODES = 192
 
@@ -75,6 +75,27 @@ def _wait_for_a_step(run_dir: Path, group: list[subprocess.Popen[bytes]]) -> Non
     while _trained_steps(run_dir) <= before:
         assert time.monotonic() < deadline and all(p.poll() is None for p in group)
         time.sleep(0.5)
+
+
+@pytest.mark.timeout(300)
+def test_a_member_stopped_while_it_starts_stops_the_group_cleanly(
+    bootstrap: str, namespace: str, tmp_path: Path
+) -> None:
+    """Member 1 gets SIGTERM the moment its process can handle one, long before it has
+    joined: it goes on starting, joins, and the group stops together, both exit 0.
+    (Killed by that signal, as a process still loading JAX used to be, it left member 0
+    waiting five minutes for it to join.)"""
+    ensure_topics(KafkaConfig(bootstrap=bootstrap), namespace_topics(namespace, ["guess"], 2))
+    with (tmp_path / "trainers.log").open("ab") as log:
+        group = _start_group(["--bootstrap", bootstrap, "--namespace", namespace], tmp_path, log)
+        try:
+            terminate_as_it_starts(group[1])
+            codes = [p.wait(180) for p in group]
+        finally:
+            _stop(group, signal.SIGKILL)
+    text = (tmp_path / "trainers.log").read_text(errors="replace")
+    assert codes == [0, 0], text[-3000:]
+    assert text.count("joined trainer group") == 2, text[-3000:]
 
 
 @pytest.mark.slow
