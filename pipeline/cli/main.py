@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from pipeline.errors import RlstreamError
 from pipeline.launch import stop
@@ -58,8 +58,15 @@ class _Version(argparse.Action):
         parser.exit()
 
 
+class _Parser(argparse.ArgumentParser):
+    """A parser whose errors are one sentence (the usage is one ``--help`` away)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="rlstream",
         description="Asynchronous RL for LLM agents with Apache Kafka between rollout "
         "producers and trainers.",

@@ -25,6 +25,7 @@ import fastavro
 
 from pipeline.errors import RecordDecodeError, RlstreamError
 from pipeline.kafka.client import KafkaConfig
+from pipeline.kafka.message import Record
 from pipeline.kafka.topics import env_of, rollout_topics
 from pipeline.kafka.transport import read_ranges
 from pipeline.records.codec import TrajectoryCodec, to_avro_dict
@@ -128,7 +129,7 @@ def record(
             last = time.monotonic()
             for m in read_ranges(consumer, ranges):
                 stats.records += 1
-                stats.bytes += len(m.value() or b"")
+                stats.bytes += len(m.value or b"")
                 yield _recorded_dict(m, codec, stats)
                 if progress and time.monotonic() - last > 1.0:
                     last = time.monotonic()
@@ -179,21 +180,22 @@ def _resolve_bound(
     return high if tp.offset < 0 else int(tp.offset)
 
 
-def _recorded_dict(m: Any, codec: TrajectoryCodec, stats: RecordStats) -> dict[str, Any]:
-    value = m.value() or b""
+def _recorded_dict(m: Record, codec: TrajectoryCodec, stats: RecordStats) -> dict[str, Any]:
+    value = m.value or b""
     d: dict[str, Any] = {
-        "topic": m.topic(),
-        "partition": m.partition(),
-        "offset": m.offset(),
-        "timestamp_ms": m.timestamp()[1],
-        "key": m.key(),
-        "headers": {},
+        "topic": m.topic,
+        "partition": m.partition,
+        "offset": m.offset,
+        "timestamp_ms": m.timestamp_ms,
+        "key": m.key,
+        "headers": m.header_dict(),
         "trajectory": None,
         "raw": None,
         "error": None,
     }
     try:
-        d["headers"] = {k: v for k, v in (m.headers() or []) if v is not None}
+        if m.header_error is not None:
+            raise RecordDecodeError("bad_header", f"headers unreadable: {m.header_error}")
         d["trajectory"] = to_avro_dict(codec.decode(value))
     except Exception as e:  # recorded as it came, with the reason: nothing stops a recording
         reason = e.reason if isinstance(e, RecordDecodeError) else "internal"
@@ -316,40 +318,6 @@ def play(
 # ---- a recording as the trainer's source -----------------------------------------------
 
 
-class _Message:
-    """A recorded record as a ``confluent_kafka.Message`` looks to the trainer."""
-
-    __slots__ = ("_row", "_value")
-
-    def __init__(self, row: dict[str, Any], value: bytes) -> None:
-        self._row, self._value = row, value
-
-    def error(self) -> None:
-        return None
-
-    def topic(self) -> str:
-        return str(self._row["topic"])
-
-    def partition(self) -> int:
-        return int(self._row["partition"])
-
-    def offset(self) -> int:
-        return int(self._row["offset"])
-
-    def timestamp(self) -> tuple[int, int]:
-        return (confluent_kafka.TIMESTAMP_CREATE_TIME, int(self._row["timestamp_ms"]))
-
-    def key(self) -> bytes | None:
-        key: bytes | None = self._row.get("key")
-        return key
-
-    def value(self) -> bytes:
-        return self._value
-
-    def headers(self) -> list[tuple[str, bytes]]:
-        return list((self._row.get("headers") or {}).items())
-
-
 def _owners(rows: list[dict[str, Any]], members: int, groups_per_batch: int) -> list[int]:
     """The member each recorded row goes to (see :class:`RecordingSource`): a group's
     rows go together, by the group's place in the order groups complete; rows outside a
@@ -392,11 +360,16 @@ class RecordingSource:
             owners = _owners(rows, members, groups_per_batch)
             rows = [row for row, owner in zip(rows, owners, strict=True) if owner == member]
         self._messages = [
-            _Message(
-                row,
-                codec.encode_avro_dict(row["trajectory"])
+            Record(
+                topic=str(row["topic"]),
+                partition=int(row["partition"]),
+                offset=int(row["offset"]),
+                timestamp_ms=int(row["timestamp_ms"]),
+                key=row.get("key"),
+                value=codec.encode_avro_dict(row["trajectory"])
                 if row.get("trajectory") is not None
                 else (row.get("raw") or b""),
+                headers=tuple((row.get("headers") or {}).items()),
             )
             for row in rows
         ]
@@ -406,7 +379,7 @@ class RecordingSource:
         self._paused = False
         self._bounds: dict[tuple[str, int], tuple[int, int]] = {}
         for m in self._messages:
-            tp, offset = (m.topic(), m.partition()), m.offset()
+            tp, offset = (m.topic, m.partition), m.offset
             lo, hi = self._bounds.get(tp, (offset, offset + 1))
             self._bounds[tp] = (min(lo, offset), max(hi, offset + 1))
 
@@ -426,7 +399,7 @@ class RecordingSource:
     def assignment(self) -> list[confluent_kafka.TopicPartition]:
         return [confluent_kafka.TopicPartition(t, p) for t, p in sorted(self._bounds)]
 
-    def consume(self, num_messages: int = 1, timeout: float = -1) -> list[_Message]:
+    def consume(self, num_messages: int = 1, timeout: float = -1) -> list[Record]:
         if not self._assigned and self._on_assign is not None:
             self._on_assign(self, self.assignment())
             self._assigned = True

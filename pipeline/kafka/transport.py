@@ -19,6 +19,7 @@ import confluent_kafka
 
 from pipeline.errors import KafkaClientError, RecordDecodeError
 from pipeline.kafka.client import KafkaConfig, kafka_errors, wrap_error
+from pipeline.kafka.message import Record
 from pipeline.kafka.topics import rollout_topic
 from pipeline.observe.telemetry import span
 from pipeline.records.codec import TrajectoryCodec
@@ -189,7 +190,8 @@ class TrajectoryReader:
                 raise RecordDecodeError("invalid", "record has no value")
             return Decoded(where, self.codec.decode(value), len(value))
         except RecordDecodeError as e:
-            return Rejected(where, m.key(), value, list(m.headers() or []), e)
+            r = Record.of(m)
+            return Rejected(where, r.key, value, list(r.header_dict().items()), e)
 
     def read(self, count: int, timeout: float = 60.0) -> list[Decoded | Rejected]:
         """Exactly ``count`` records, or :class:`KafkaClientError` after ``timeout``."""
@@ -211,8 +213,8 @@ def read_ranges(
     consumer: Any,
     ranges: dict[tuple[str, int], tuple[int, int]],
     idle_timeout_s: float | None = None,
-) -> Iterator[Any]:
-    """The messages of each partition's ``[start, end)``, partitions assigned directly
+) -> Iterator[Record]:
+    """The records of each partition's ``[start, end)``, partitions assigned directly
     (no group joined, nothing committed); a partition is unassigned once read to its end.
     With ``idle_timeout_s``, raises :class:`TimeoutError` after that long without a
     message while some range is unfinished."""
@@ -234,4 +236,4 @@ def read_ranges(
             if offset + 1 >= todo[tp][1]:
                 del todo[tp]
                 consumer.incremental_unassign([confluent_kafka.TopicPartition(*tp)])
-            yield m
+            yield Record.of(m)

@@ -54,9 +54,9 @@ def fetch(
     out = []
     try:
         for m in read_ranges(consumer, ranges, idle_timeout_s=idle_timeout_s):
-            if (m.topic(), m.partition(), m.offset()) in wanted:
+            if (m.topic, m.partition, m.offset) in wanted:
                 try:
-                    out.append(codec.decode(m.value() or b""))
+                    out.append(codec.decode(m.value or b""))
                 except RecordDecodeError:
                     continue
     except TimeoutError as e:  # records gone by retention: show what was found

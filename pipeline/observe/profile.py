@@ -87,13 +87,13 @@ def read(kafka: KafkaConfig, namespace: str, timeout_s: float = 30.0) -> Telemet
         try:
             for m in read_ranges(consumer, ranges, timeout_s):
                 try:
-                    out.add(codec.decode(m.value() or b""))
+                    out.add(codec.decode(m.value or b""))
                 except RecordDecodeError as e:  # one bad batch never hides the others
                     out.undecodable += 1
                     log.warning(
                         "telemetry record skipped partition=%d offset=%d reason=%s",
-                        m.partition(),
-                        m.offset(),
+                        m.partition,
+                        m.offset,
                         e.reason,
                     )
         except TimeoutError as e:

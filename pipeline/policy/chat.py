@@ -2,11 +2,13 @@
 
 The tokenizer is ``tokenizer.json`` read by the ``tokenizers`` library; the chat template
 comes from ``tokenizer_config.json`` or ``chat_template.jinja`` (where transformers 5 keeps
-it) and is rendered with Jinja2 the way transformers renders it (sandboxed, trimmed blocks,
-``tojson``, ``raise_exception``, ``strftime_now``).
+it) and is rendered with Jinja2 the way transformers renders it, within bounds of time,
+memory and output, in a child process (:mod:`pipeline.policy.template`).
 
-An episode never re-tokenizes its history. Each piece it appends is the template's text
-for that piece alone, found by rendering a fixed conversation with and without it:
+An episode never re-tokenizes its history, and never renders the template. Each piece it
+appends is the template's text for that piece alone, found once at load by rendering a
+fixed conversation with and without it, and each kind of message with a placeholder for
+its text (which the template may pass through or trim, nothing else):
 
 - the opening: the whole rendering of ``[user prompt]`` (system prompt, begin token);
 - the policy's header: what ``add_generation_prompt`` adds;
@@ -22,51 +24,23 @@ the whole conversation rendered at once.
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-import jinja2
-import jinja2.ext
-import jinja2.sandbox
 from tokenizers import Tokenizer
 
 from pipeline.errors import InvalidConfigError
-from pipeline.policy.hf_format import load_json
+from pipeline.policy.hf_format import MAX_TOKENIZER_BYTES, load_json
+from pipeline.policy.template import Conversation, render_bounded
 
 _PROBE_USER, _PROBE_REPLY = "U", "X"
-
-
-def _raise(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    x: Any,
-    ensure_ascii: bool = False,
-    indent: Any = None,
-    separators: Any = None,
-    sort_keys: bool = False,
-) -> str:
-    return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def compile_template(source: str) -> jinja2.Template:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise
-    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    try:
-        return env.from_string(source)
-    except jinja2.exceptions.TemplateError as e:
-        raise InvalidConfigError(f"the chat template does not compile: {e}") from None
+#: the text a message's content is rendered as once, at load, to find where an episode's
+#: own text goes (a template may only pass it through or trim it)
+_SLOT = "\x00rlstream-content\x00"
+_PADDED = " \n" + _SLOT + "\n "
 
 
 def _token_text(value: Any) -> str | None:
@@ -88,7 +62,6 @@ class ChatTokenizer:
     ) -> None:
         self.tok = tokenizer
         self.template_source = template
-        self.template = compile_template(template)
         self.specials = specials
         self.id = digest
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -109,6 +82,11 @@ class ChatTokenizer:
         tj = directory / "tokenizer.json"
         if not tj.is_file():
             raise InvalidConfigError(f"{directory} has no tokenizer.json")
+        if tj.stat().st_size > MAX_TOKENIZER_BYTES:
+            raise InvalidConfigError(
+                f"{tj} is {tj.stat().st_size} bytes, more than the "
+                f"{MAX_TOKENIZER_BYTES >> 20} MB a tokenizer may take"
+            )
         try:
             tokenizer = Tokenizer.from_file(str(tj))
         except Exception as e:  # the library raises its own exception types
@@ -150,37 +128,45 @@ class ChatTokenizer:
     def decode(self, ids: Sequence[int], *, specials: bool = False) -> str:
         return str(self.tok.decode(list(ids), skip_special_tokens=not specials))
 
-    def render(
-        self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool = False,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> str:
-        try:
-            return str(
-                self.template.render(
-                    messages=messages,
-                    tools=tools,
-                    add_generation_prompt=add_generation_prompt,
-                    **self.specials,
-                )
-            )
-        except jinja2.exceptions.TemplateError as e:
-            raise InvalidConfigError(f"the chat template fails: {e}") from None
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+        """The template's text of ``messages`` (rendered within the bounds of
+        :mod:`pipeline.policy.template`; episodes never call this)."""
+        return render_bounded(
+            self.template_source, self.specials, [(messages, add_generation_prompt)]
+        )[0]
 
     # ---- the pieces an episode appends ----------------------------------------------------
 
     def _probe(self) -> None:
+        """Renders, once and within bounds, what the pieces are read from: the probe
+        conversation, and each kind of message with a placeholder for its text."""
         user = [{"role": "user", "content": _PROBE_USER}]
         history = [*user, {"role": "assistant", "content": _PROBE_REPLY}]
-        opened, prompted = self.render(user), self.render(user, add_generation_prompt=True)
+
+        def slots(before: list[dict[str, Any]], role: str) -> list[Conversation]:
+            return [
+                ([*before, {"role": role, "content": text}], False) for text in (_SLOT, _PADDED)
+            ]
+
+        rendered = render_bounded(
+            self.template_source,
+            self.specials,
+            [
+                (user, False),
+                (user, True),
+                (history, False),
+                *slots([], "user"),
+                *slots(history, "tool"),
+                *slots(history, "user"),
+            ],
+        )
+        opened, prompted, whole = rendered[:3]
         if not prompted.startswith(opened):
             raise InvalidConfigError(
                 "the chat template is not prefix-stable: its generation prompt rewrites the "
                 "conversation before it"
             )
         self._header = prompted[len(opened) :]
-        whole = self.render(history)
         reply_at = whole.find(_PROBE_REPLY, len(opened))
         ends = [
             (at, t)
@@ -193,9 +179,13 @@ class ChatTokenizer:
                 "generation prompt and end with the end-of-turn token"
             )
         at, end = min(ends)
-        self._history = history
         # the probe conversation up to the end of the policy's turn, after its end token
-        self._prefix = whole[: at + len(end)]
+        prefix = whole[: at + len(end)]
+        self._opening = _Piece.read(rendered[3], rendered[4], "", "the user's first message")
+        self._turns = {
+            "tool": _Piece.read(rendered[5], rendered[6], prefix, "a tool's result"),
+            "user": _Piece.read(rendered[7], rendered[8], prefix, "an observation"),
+        }
 
     @property
     def assistant_header(self) -> list[int]:
@@ -205,17 +195,13 @@ class ChatTokenizer:
     def opening(self, prompt: str) -> list[int]:
         """Tokens of the conversation up to the first policy turn: begin token, system
         prompt and the user's ``prompt``, as the template lays them out."""
-        return self.encode(self.render([{"role": "user", "content": prompt}]))
+        return self.encode(self._opening.text(prompt))
 
     def turn(self, role: str, text: str) -> list[int]:
         """Tokens of one more message (``tool`` for a tool's result, ``environment`` for
         an observation, given to the template as ``user``) after the policy's turn,
         including what the template writes between that turn's end token and it."""
-        message = {"role": "tool" if role == "tool" else "user", "content": text}
-        whole = self.render([*self._history, message])
-        if not whole.startswith(self._prefix):
-            raise InvalidConfigError(f"the chat template rewrites the history when a {role} speaks")
-        return self.encode(whole[len(self._prefix) :])
+        return self.encode(self._turns["tool" if role == "tool" else "user"].text(text))
 
     def parse_call(self, tokens: Sequence[int], stopped: int | None) -> tuple[str, str] | None:
         """``(tool name, arguments)`` when the policy's turn is a tool call in the
@@ -240,6 +226,37 @@ class ChatTokenizer:
         if isinstance(args, dict) and len(args) == 1:
             args = next(iter(args.values()))
         return call["name"], args if isinstance(args, str) else json.dumps(args)
+
+
+class _Piece(NamedTuple):
+    """What the template writes for one message: ``before``, the message's text (trimmed
+    when the template trims it), ``after``."""
+
+    before: str
+    after: str
+    trims: bool
+
+    @classmethod
+    def read(cls, plain: str, padded: str, prefix: str, what: str) -> _Piece:
+        """The piece from renderings with the placeholder as the text, bare and padded
+        with whitespace, after the conversation ``prefix``."""
+        if not (plain.startswith(prefix) and padded.startswith(prefix)):
+            raise InvalidConfigError(f"the chat template rewrites the history when {what} follows")
+        plain, padded = plain[len(prefix) :], padded[len(prefix) :]
+        if plain.count(_SLOT) != 1:
+            raise InvalidConfigError(f"the chat template does not write {what} once, as given")
+        before, after = plain.split(_SLOT)
+        if padded == plain:
+            return cls(before, after, True)
+        if padded == before + _PADDED + after:
+            return cls(before, after, False)
+        raise InvalidConfigError(
+            f"the chat template changes the text of {what} beyond trimming it: rlstream "
+            "appends each message without rendering the conversation again"
+        )
+
+    def text(self, content: str) -> str:
+        return self.before + (content.strip() if self.trims else content) + self.after
 
 
 def _eos_ids(directory: Path, tokenizer: Tokenizer, specials: dict[str, str]) -> list[int]:

@@ -63,15 +63,33 @@ class ModelConfig:
     dtype: str = "float32"
     #: Hugging Face checkpoint directory the weights and tokenizer come from ("": none)
     path: str = ""
+    #: token ids the policy may produce: the tokenizer's vocabulary, when the output
+    #: layer is padded beyond it (0: every id below vocab_size); read from the checkpoint
+    output_vocab: int = 0
 
     _SIZES = ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len")
 
     def __post_init__(self) -> None:
-        sizes = [getattr(self, n) for n in (*self._SIZES, "num_kv_heads", "head_size")]
+        sizes = [
+            getattr(self, n)
+            for n in (
+                *self._SIZES,
+                "num_kv_heads",
+                "head_size",
+                "output_vocab",
+                "rope_original_max_len",
+            )
+        ]
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in sizes):
             raise InvalidConfigError(f"model sizes must be integers: {str(self)[:300]}")
         if min(sizes[:6]) < 1 or max(sizes) > 2**24 or min(sizes) < 0:
             raise InvalidConfigError(f"model sizes must lie in [1, 2**24]: {str(self)[:300]}")
+        if self.output_vocab > self.vocab_size:
+            raise InvalidConfigError(
+                f"the tokenizer's vocabulary ({self.output_vocab} ids) is larger than the "
+                f"model's vocab_size {self.vocab_size}: the tokenizer can emit ids the model "
+                "has no embedding for"
+            )
         if self.family not in FAMILIES:
             raise InvalidConfigError(
                 f"model family {self.family!r} is not one of {', '.join(FAMILIES)}"
@@ -90,10 +108,31 @@ class ModelConfig:
             raise InvalidConfigError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.kv_heads}"
             )
-        floats = (self.norm_eps, self.rope_theta, self.rope_factor)
+        floats = (
+            self.norm_eps,
+            self.rope_theta,
+            self.rope_factor,
+            self.rope_low_freq_factor,
+            self.rope_high_freq_factor,
+        )
         if not all(isinstance(v, int | float) and 0 < v < 1e12 for v in floats):
             raise InvalidConfigError(
-                f"norm_eps, rope_theta and rope_factor must be positive: {floats}"
+                "norm_eps, rope_theta and the rope factors (factor, low_freq_factor, "
+                f"high_freq_factor) must be finite positive numbers: {floats}"
+            )
+        if self.rope_scaling == "llama3" and not (
+            self.rope_high_freq_factor > self.rope_low_freq_factor
+            and self.rope_original_max_len >= 1
+        ):
+            raise InvalidConfigError(
+                "llama3 rope scaling needs high_freq_factor above low_freq_factor and a "
+                f"positive original_max_position_embeddings, got {self.rope_low_freq_factor}, "
+                f"{self.rope_high_freq_factor}, {self.rope_original_max_len}"
+            )
+        if self.head_dim % 2:
+            raise InvalidConfigError(
+                f"head_dim {self.head_dim} is odd: rotary position embeddings rotate pairs "
+                "of dimensions"
             )
 
     @classmethod

@@ -12,6 +12,8 @@ weight is read. :mod:`pipeline.policy.hf_config` writes the reverse, for
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +57,67 @@ def read_model_fields(directory: Path, max_len: int = DEFAULT_MAX_LEN) -> dict[s
     if not (directory / "config.json").is_file():
         raise InvalidConfigError(f"{directory} has no config.json: not a Hugging Face model")
     raw = load_json(directory / "config.json", "model configuration")
-    return model_fields(raw, str(directory.resolve()), max_len)
+    fields = model_fields(raw, str(directory.resolve()), max_len)
+    held = _layers_in_weights(directory)
+    if held is not None and fields["num_layers"] > held:
+        raise InvalidConfigError(
+            f"config.json's num_hidden_layers {fields['num_layers']} is more than the "
+            f"{held} layers its weights hold"
+        )
+    fields["output_vocab"] = tokenizer_vocab_size(directory) or 0
+    return fields
+
+
+#: the largest tokenizer.json rlstream reads (real ones are a few MB)
+MAX_TOKENIZER_BYTES = 64 << 20
+
+
+def tokenizer_vocab_size(directory: Path) -> int | None:
+    """The ids ``tokenizer.json`` of ``directory`` can emit (added tokens included), or
+    None when it has none (loading the tokenizer then says why)."""
+    path = directory / "tokenizer.json"
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return None
+    if size > MAX_TOKENIZER_BYTES:
+        raise InvalidConfigError(
+            f"{path} is {size} bytes, more than the {MAX_TOKENIZER_BYTES >> 20} MB a "
+            "tokenizer may take"
+        )
+    from tokenizers import Tokenizer
+
+    try:
+        return int(Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True))
+    except Exception as e:  # the library raises its own exception types
+        raise InvalidConfigError(f"{path} is not a tokenizer: {str(e)[:200]}") from None
+
+
+def _layers_in_weights(directory: Path) -> int | None:
+    """How many transformer layers the weights' tensor names hold (from the shard
+    index or the single file's header, no tensor read), or None when they cannot be
+    read here (loading the weights then says why)."""
+    from pipeline.policy import tensorfile
+
+    index = directory / "model.safetensors.index.json"
+    names: Iterable[str]
+    try:
+        if index.is_file():
+            weight_map = load_json(index, "shard index").get("weight_map")
+            if not isinstance(weight_map, dict):
+                return None
+            names = weight_map
+        elif (directory / "model.safetensors").is_file():
+            names = tensorfile.read_header(directory / "model.safetensors").tensors
+        else:
+            return None
+    except InvalidConfigError:
+        return None
+    layers = {m.group(1) for n in names if (m := _LAYER.match(str(n)))}
+    return len(layers)
+
+
+_LAYER = re.compile(r"model\.layers\.(\d{1,9})\.")
 
 
 _REQUIRED = object()

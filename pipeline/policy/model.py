@@ -183,8 +183,16 @@ class Transformer(nnx.Module):
         return self.logits(x), cache
 
     def logits(self, x: jax.Array) -> jax.Array:
-        """The output layer on hidden states from :meth:`features`."""
-        return self.embed.attend(x) if self.cfg.tie_embeddings else self.lm_head(x)
+        """The output layer on hidden states from :meth:`features`. Ids past the
+        tokenizer's vocabulary (``output_vocab``: padded rows of a Hugging Face output
+        layer) get a logit of -1e9, so that neither the sampler nor the trainer's
+        log-probabilities give them any mass (finite, so entropies stay finite)."""
+        out = self.embed.attend(x) if self.cfg.tie_embeddings else self.lm_head(x)
+        valid = self.cfg.output_vocab
+        if 0 < valid < self.cfg.vocab_size:
+            keep = jnp.arange(self.cfg.vocab_size) < valid
+            out = jnp.where(keep, out, jnp.asarray(-1e9, out.dtype))
+        return out
 
     def features(
         self,

@@ -130,9 +130,22 @@ class DecodeEngine:
         self._queued[slot] = []
 
     def append(self, slot: int, tokens: list[int]) -> None:
-        """Tokens produced outside the policy (prompt, observations), in order."""
+        """Tokens produced outside the policy (prompt, observations), in order. Tokens
+        that do not fit in the slot's context are refused (InvalidConfigError with the
+        numbers) before anything is queued: the other slots never wait for them."""
         if not tokens:
             return
+        if len(tokens) > self.room(slot):
+            raise InvalidConfigError(
+                f"{len(tokens)} tokens do not fit in slot {slot}: it has room for "
+                f"{self.room(slot)} of its context of {self.cfg.max_len} "
+                f"({int(self.length[slot])} in the cache)"
+            )
+        low, high = min(tokens), max(tokens)
+        if low < 0 or high >= self.cfg.vocab_size:
+            raise InvalidConfigError(
+                f"token ids span [{low}, {high}], outside the model's [0, {self.cfg.vocab_size})"
+            )
         if self.pending[slot] is not None:
             self._queued[slot].append(self.pending[slot])  # type: ignore[arg-type]
         self._queued[slot].extend(tokens[:-1])

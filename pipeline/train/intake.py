@@ -31,6 +31,7 @@ from typing import Any
 
 from pipeline.errors import RecordDecodeError, RegistryUnavailableError
 from pipeline.kafka.client import MAX_MESSAGE_BYTES
+from pipeline.kafka.message import Record
 from pipeline.kafka.topics import deadletter_topic
 from pipeline.observe.telemetry import span
 from pipeline.records.codec import AvroCodec, TrajectoryCodec, TrajectoryHeaders
@@ -63,9 +64,9 @@ class RecordJudge:
         self.codec = TrajectoryCodec()
 
     def __call__(
-        self, m: Any, stale: Callable[[int], bool], newest_version: int | None
+        self, m: Record, stale: Callable[[int], bool], newest_version: int | None
     ) -> Trajectory | RecordDecodeError | str:
-        """``m`` a Kafka message; ``stale(min_version)`` the staleness filter;
+        """``m`` a record read from Kafka; ``stale(min_version)`` the staleness filter;
         ``newest_version`` the newest policy version announced (None: no bound)."""
         try:
             return self._judge(m, stale, newest_version)
@@ -73,16 +74,14 @@ class RecordJudge:
             return RecordDecodeError("internal", f"{type(e).__name__}: {str(e)[:500]}")
 
     def _judge(
-        self, m: Any, stale: Callable[[int], bool], newest_version: int | None
+        self, m: Record, stale: Callable[[int], bool], newest_version: int | None
     ) -> Trajectory | RecordDecodeError | str:
-        try:
-            raw_headers = m.headers()
-        except Exception as e:  # e.g. a header name that is not UTF-8
-            return RecordDecodeError("bad_header", f"headers unreadable: {str(e)[:200]}")
-        h = TrajectoryHeaders.parse(raw_headers)
+        if m.header_error is not None:  # e.g. a header name that is not UTF-8
+            return RecordDecodeError("bad_header", f"headers unreadable: {m.header_error}")
+        h = TrajectoryHeaders.parse(list(m.headers))
         if h.min_version is not None and h.min_version >= 0 and stale(h.min_version):
             return "stale"
-        value = m.value() or b""
+        value = m.value or b""
         if len(value) > self.max_record_bytes:
             return RecordDecodeError(
                 "oversized",
@@ -130,15 +129,12 @@ class DeadLetters:
         self.count = 0  # records refused
         self.failures = 0  # letters the client refused or Kafka did not take
 
-    def send(self, m: Any, e: RecordDecodeError) -> None:
+    def send(self, m: Record, e: RecordDecodeError) -> None:
         self.count += 1
         if self.producer is None:
             return
-        try:
-            headers = {str(k): v for k, v in (m.headers() or []) if v is not None}
-        except Exception:  # unreadable headers are why this record is here
-            headers = {}
-        value, key = m.value(), m.key()
+        headers = m.header_dict()  # none when unreadable: that is why it is here
+        value, key = m.value, m.key
         message = e.detail[:2000]
         size = len(value or b"") + len(key or b"")
         size += sum(len(k) + len(v) for k, v in headers.items())
@@ -148,9 +144,9 @@ class DeadLetters:
             message += f" (value cut to its first {DEADLETTER_PREFIX} of {len(value or b'')} bytes)"
             value, key = (value or b"")[:DEADLETTER_PREFIX], (key or b"")[:1024]
         record = {
-            "source_topic": m.topic(),
-            "source_partition": m.partition(),
-            "source_offset": m.offset(),
+            "source_topic": m.topic,
+            "source_partition": m.partition,
+            "source_offset": m.offset,
             "key": key,
             "headers": headers,
             "value": value,
@@ -171,9 +167,9 @@ class DeadLetters:
             self.failures += 1
             log.warning(
                 "dead letter not sent topic=%s partition=%d offset=%d reason=%s error=%s",
-                m.topic(),
-                m.partition(),
-                m.offset(),
+                m.topic,
+                m.partition,
+                m.offset,
                 e.reason,
                 str(ex)[:200],
             )
@@ -194,7 +190,7 @@ class HeldRecords:
     def __init__(self, limit: int, retry_s: float = DOWN_S) -> None:
         self.limit = max(1, limit)
         self.retry_s = retry_s
-        self._held: list[Any] = []
+        self._held: list[Record] = []
         self._next_try = 0.0
         self.total = 0  # records ever held (the same record held again counts again)
         self._since: float | None = None  # when the registry stopped answering
@@ -206,7 +202,7 @@ class HeldRecords:
     def full(self) -> bool:
         return len(self._held) >= self.limit
 
-    def hold(self, m: Any, e: RegistryUnavailableError) -> None:
+    def hold(self, m: Record, e: RegistryUnavailableError) -> None:
         if self._since is None:
             self._since = time.monotonic()
             log.warning(
@@ -221,7 +217,7 @@ class HeldRecords:
         self._held.append(m)
         self.total += 1
 
-    def due(self) -> list[Any]:
+    def due(self) -> list[Record]:
         """The held records, taken out, when it is time to judge them again (else none).
         Those the registry still cannot resolve are held again by the caller."""
         if not self._held or time.monotonic() < self._next_try:
@@ -241,7 +237,7 @@ class HeldRecords:
     def drop_partitions(self, tps: set[tuple[str, int]]) -> int:
         """Let go of the held records of revoked partitions (read again by their new
         owner); returns how many."""
-        keep = [m for m in self._held if (m.topic(), m.partition()) not in tps]
+        keep = [m for m in self._held if (m.topic, m.partition) not in tps]
         dropped = len(self._held) - len(keep)
         self._held = keep
         return dropped

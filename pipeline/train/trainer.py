@@ -39,6 +39,7 @@ from pipeline.errors import (
     TrainingDivergedError,
 )
 from pipeline.kafka.client import KafkaConfig
+from pipeline.kafka.message import Record
 from pipeline.kafka.topics import ROLLOUTS, env_of
 from pipeline.kafka.transport import Coordinates
 from pipeline.observe.prometheus import Sample
@@ -387,21 +388,27 @@ class Trainer(PartitionReading):
             batch = self.members.batch(empty, self.batch_sharding)
             self.train_step.lower(self.state, batch).compile()
 
-    def _intake(self, m: Any) -> None:
-        err = m.error()
-        if err is not None:
-            if err.code() != confluent_kafka.KafkaError._PARTITION_EOF:
-                log.warning("consumer error=%s", err.str())
-            if fatal(err):
-                self.consumer_failed = err.str()
+    def _intake(self, message: Any) -> None:
+        """One consumed message (or a held or recorded :class:`Record`): settled by a
+        verdict, held for the registry, or waiting in its group."""
+        if isinstance(message, Record):
+            m = message
+        else:
+            err = message.error()
+            if err is not None:
+                if err.code() != confluent_kafka.KafkaError._PARTITION_EOF:
+                    log.warning("consumer error=%s", err.str())
+                if fatal(err):
+                    self.consumer_failed = err.str()
+                return
+            m = Record.of(message)  # read once: the client is not asked again
+        tp = (m.topic, m.partition)
+        where = Coordinates(m.topic, m.partition, m.offset, m.timestamp_ms)
+        if self.tracker.is_settled(tp, m.offset):
+            self.tracker.skip(tp, m.offset)
             return
-        tp = (m.topic(), m.partition())
-        where = Coordinates(m.topic(), m.partition(), m.offset(), m.timestamp()[1])
-        if self.tracker.is_settled(tp, m.offset()):
-            self.tracker.skip(tp, m.offset())
-            return
-        self.tracker.read(tp, m.offset())
-        env = env_of(m.topic()) or "?"
+        self.tracker.read(tp, m.offset)
+        env = env_of(m.topic) or "?"
         if self.source is None and where.timestamp_ms > 0:  # time the record spent in Kafka
             metric("kafka_latency_s", time.time() - where.timestamp_ms / 1000, env=env)
         # (a recording has no bound on versions: it is trained from version 0 again)

@@ -304,3 +304,76 @@ def test_replay_and_profile_read_past_hostile_records(
     assert bad[0].key == b"overflow" and (bad[0].error or "").startswith("tensor_mismatch")
     telemetry = profile.read(kafka, namespace, timeout_s=30)
     assert telemetry.undecodable == 1 and profile.summarize(telemetry)["undecodable_records"] == 1
+
+
+class _RawName(str):
+    """A header name kafka-python writes as these bytes (not UTF-8), as a client in
+    another language may."""
+
+    raw = b"\xff\xfe"
+
+    def encode(self, *args: Any, **kwargs: Any) -> bytes:  # type: ignore[override]
+        return self.raw
+
+
+def produce_with_raw_header_name(bootstrap: str, topic: str, key: bytes, value: bytes) -> None:
+    """One record whose header name is the bytes FF FE, written by kafka-python (another
+    client than the one rlstream reads with)."""
+    from kafka import KafkaProducer
+
+    producer = KafkaProducer(bootstrap_servers=bootstrap)
+    try:
+        producer.send(topic, value=value, key=key, headers=[(_RawName("x"), b"1")]).get(30)
+    finally:
+        producer.close(10)
+
+
+def test_a_header_name_that_is_not_utf8_is_dead_lettered_and_the_trainer_goes_on(
+    bootstrap: str, kafka: KafkaConfig, namespace: str, tmp_path: Path
+) -> None:
+    """Through the real broker, a header name of bytes FF FE crashed the trainer (the
+    client's second ``headers()`` call on the message is a segmentation fault): it is
+    dead-lettered as ``bad_header``, ``rlstream train`` trains the good groups around it
+    and exits 0, and a recording of the topic keeps it as an undecodable record."""
+    import subprocess
+
+    from pipeline.kafka.replay import record
+    from tests.integration.faults import cli
+
+    ensure_topics(kafka, namespace_topics(namespace, ["math"], 1))
+    topic = rollout_topic(namespace, "math")
+    before = produce_groups(kafka, namespace, 2, seed=51)
+    rng = np.random.default_rng(52)
+    produce_with_raw_header_name(bootstrap, topic, b"bad-header", CODEC.encode(member("h", 0, rng)))
+    after = produce_groups(kafka, namespace, 2, seed=53)
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        cli(
+            "train",
+            "--bootstrap",
+            bootstrap,
+            "--namespace",
+            namespace,
+            "--run-dir",
+            str(run_dir),
+            "--groups-per-batch",
+            "2",
+            "--group-size",
+            "4",
+            "--max-steps",
+            "2",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    entries = read_ledger(run_dir / "ledger.jsonl")
+    trained = {t[0] for e in entries for t in e["trained"]}
+    assert set(before) | set(after) <= trained
+    assert [d[4] for e in entries for d in e["dropped"]] == ["bad_header"]
+    letter = read_letters(kafka, namespace, 1)["bad-header"]
+    assert letter["error_class"] == "bad_header"
+    assert letter["headers"] == {}
+    stats = record(kafka, namespace, tmp_path / "rec.avro")
+    assert (stats.records, stats.undecodable) == (17, 1)

@@ -47,11 +47,16 @@ def test_logits_and_greedy_tokens_match_transformers(
         "the random checkpoint differs from the one the reference was made from"
     )
     assert float(ref["min_margin"]) > 1e-3  # no greedy step is a near-tie
-    model = load_model(read_model_config(checkpoints[family]))
+    cfg = read_model_config(checkpoints[family])
+    model = load_model(cfg)
     ids = jnp.asarray(ref["input_ids"])[None]
     logits, _ = model(ids, jnp.arange(ids.shape[1])[None])
-    diff = float(jnp.max(jnp.abs(logits[0] - ref["logits"])))
+    # the ids the tokenizer has match; the padded rows past it are masked out
+    valid = cfg.output_vocab
+    assert 0 < valid < cfg.vocab_size
+    diff = float(jnp.max(jnp.abs(logits[0, :, :valid] - ref["logits"][:, :valid])))
     assert diff <= 1e-4, diff
+    assert bool(jnp.all(logits[0, :, valid:] == -1e9))
 
     engine = DecodeEngine(model, 2, SamplingConfig(temperature=0.0), chunk=8)
     engine.append(0, [int(t) for t in ref["input_ids"]])
@@ -356,3 +361,114 @@ def test_model_dir_is_accepted_wherever_a_preset_is(checkpoints: dict[str, Path]
     assert run.producer(0, "ns", Path("r")).model == run.model
     with pytest.raises(InvalidConfigError, match="does not exist"):
         from_mapping(RunConfig, {"model": d + "-missing"})
+
+
+def _hostile_copy(src: Path, dst: Path, edit: dict[str, object] | None = None) -> Path:
+    shutil.copytree(src, dst)
+    if edit:
+        raw = json.loads((dst / "config.json").read_text())
+        for key, value in edit.items():
+            if key.startswith("rope_scaling."):
+                raw["rope_scaling"][key.split(".", 1)[1]] = value
+            else:
+                raw[key] = value
+        (dst / "config.json").write_text(json.dumps(raw))
+    return dst
+
+
+@pytest.mark.parametrize(
+    ("edit", "refusal"),
+    [
+        ({"num_hidden_layers": 2**24}, "num_hidden_layers 16777216 is more than the 2 layers"),
+        ({"num_hidden_layers": 100_000}, "num_hidden_layers 100000 is more than the 2 layers"),
+        ({"rope_scaling.low_freq_factor": 0}, "must be finite positive numbers"),
+        ({"rope_scaling.low_freq_factor": float("nan")}, "must be finite positive numbers"),
+        ({"rope_scaling.high_freq_factor": 0.5}, "high_freq_factor above low_freq_factor"),
+        ({"vocab_size": 512}, r"vocabulary \(1000 ids\) is larger than the model's vocab_size 512"),
+        ({"head_dim": 15, "num_attention_heads": 4}, "head_dim 15 is odd"),
+    ],
+)
+def test_a_hostile_config_is_refused_in_one_sentence_before_any_weight(
+    checkpoints: dict[str, Path], tmp_path: Path, edit: dict[str, object], refusal: str
+) -> None:
+    import time
+
+    d = _hostile_copy(checkpoints["llama"], tmp_path / "m", edit)
+    start = time.monotonic()
+    with pytest.raises(InvalidConfigError, match=refusal):
+        read_model_config(d)
+    assert time.monotonic() - start < 5
+
+
+@pytest.mark.parametrize(
+    ("template", "refusal"),
+    [
+        ("{% include 'x' %}", r"uses \{% include %\}"),
+        ("{% import 'x' as y %}{{ y }}", r"uses \{% import %\}"),
+        ("{% from 'x' import y %}", r"uses \{% from \.\.\. import %\}"),
+        ("{% extends 'x' %}", r"uses \{% extends %\}"),
+        (
+            "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}",
+            "takes more than 2 s",
+        ),
+        ("{{ 'x' * 10**10 }}", "needs more than 1024 MB|takes more than 2 s"),
+        (
+            "{% set ns = namespace(s='x') %}{% for i in range(40) %}"
+            "{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s }}",
+            "needs more than 1024 MB|takes more than 2 s",  # whichever bound it meets first
+        ),
+        (
+            "{% for i in range(30000) %}{{ 'abcdefghij' * 10 }}{% endfor %}",
+            "more than 1048576 characters",
+        ),
+        (
+            "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+            "{% if m.role == 'user' %}{{ m.content }}{% endif %}<|eot_id|>{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}",
+            "does not write the user's first message once",
+        ),
+        (
+            "{% for m in messages %}<{{ m.role }}>{{ m.content | replace(' ', '_') }}<|eot_id|>{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}",
+            "changes the text of the user's first message beyond trimming it",
+        ),
+    ],
+)
+def test_a_hostile_chat_template_is_refused_at_load_within_bounds(
+    checkpoints: dict[str, Path], tmp_path: Path, template: str, refusal: str
+) -> None:
+    import resource
+    import time
+
+    d = _hostile_copy(checkpoints["llama"], tmp_path / "m")
+    (d / "chat_template.jinja").write_text(template)
+    start = time.monotonic()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(InvalidConfigError, match=refusal):
+        ChatTokenizer.load(d)
+    assert time.monotonic() - start < 5
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KiB
+
+
+def test_episodes_append_turns_without_rendering(checkpoints: dict[str, Path]) -> None:
+    """The template runs only at load: an episode's pieces are substitutions, and a
+    trimming template (llama's) trims the text it is given."""
+    from pipeline.policy import template
+
+    tok = ChatTokenizer.load(checkpoints["llama"])
+    calls = []
+    real = template.render_bounded
+    template.render_bounded = lambda *a: calls.append(a) or real(*a)  # type: ignore[assignment]
+    try:
+        import pipeline.policy.chat as chat
+
+        original = chat.render_bounded
+        chat.render_bounded = template.render_bounded
+        opening, tool = tok.opening("  hello \n"), tok.turn("tool", "42")
+    finally:
+        template.render_bounded = real  # type: ignore[assignment]
+        chat.render_bounded = original
+    assert calls == []
+    whole = [{"role": "user", "content": "hello"}]
+    assert opening == tok.encode(tok.render(whole))
+    assert tool[-1] in tok.stop_tokens or tok.decode(tool, specials=True).endswith("<|eot_id|>")

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pipeline.errors import InvalidConfigError
 from pipeline.policy.config import ModelConfig, SamplingConfig
 from pipeline.policy.model import init_model, token_logprobs
 from pipeline.policy.sampler import DecodeEngine, sample_tokens
@@ -150,3 +151,51 @@ def test_an_idle_policy_server_takes_new_weights_at_once() -> None:
         assert server.version == 3
     finally:
         server.stop()
+
+
+def test_ids_past_the_tokenizer_are_never_sampled_nor_given_mass() -> None:
+    """A checkpoint whose output layer is padded past its tokenizer (``output_vocab``)
+    never samples a padded id, greedy or not, even when those rows would win; the
+    trainer's log-probabilities (the same logits) give them no mass either."""
+    import dataclasses
+
+    from flax import nnx
+
+    cfg = dataclasses.replace(CFG, output_vocab=200)
+    model = init_model(cfg, seed=0)
+    graphdef, state = nnx.split(model)
+    table = np.array(state["embed"]["embedding"][...])
+    table[200:] = 50.0 * np.sign(table[200:])  # the padded rows dominate every logit
+    state["embed"]["embedding"] = nnx.Param(jnp.asarray(table))
+    model = nnx.merge(graphdef, state)
+    unmasked = nnx.merge(graphdef, state)
+    unmasked.cfg = CFG
+    x, _ = unmasked.features(jnp.asarray([[257, 3]]), jnp.asarray([[0, 1]]))
+    assert int(jnp.argmax(unmasked.logits(x)[0, -1])) >= 200  # what the mask prevents
+    for temperature in (0.0, 1.0, 0.3):
+        engine = DecodeEngine(model, slots=4, sampling=SamplingConfig(temperature, seed=3))
+        for s in range(4):
+            engine.append(s, [257, s + 1])
+        drawn = [t for _ in range(12) for t, _, _ in engine.step([0, 1, 2, 3]).values()]
+        assert max(drawn) < 200, (temperature, max(drawn))
+    logits, _ = model(jnp.asarray([[257, 3, 4]]), jnp.asarray([[0, 1, 2]]))
+    mass = jax.nn.logsumexp(jax.nn.log_softmax(logits[0].astype(jnp.float32))[:, :200], -1)
+    assert np.allclose(np.asarray(mass), 0.0, atol=1e-6)
+
+
+def test_the_engine_refuses_what_does_not_fit_and_ids_it_has_no_row_for() -> None:
+    engine = DecodeEngine(init_model(CFG, seed=0), slots=2, chunk=4)
+    engine.append(1, [257, 1])
+    with pytest.raises(
+        InvalidConfigError, match=r"65536 tokens do not fit in slot 0: it has room for 64"
+    ):
+        engine.append(0, [1] * 65536)
+    engine.append(0, [1] * 60)
+    with pytest.raises(
+        InvalidConfigError, match=r"5 tokens do not fit in slot 0: it has room for 4"
+    ):
+        engine.append(0, [1] * 5)
+    for bad in ([-1], [CFG.vocab_size], [3, 2**31]):
+        with pytest.raises(InvalidConfigError, match="outside the model's"):
+            engine.append(1, bad)
+    assert len(engine.step([0, 1])) == 2  # the refusals queued nothing
