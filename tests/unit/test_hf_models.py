@@ -428,7 +428,8 @@ def test_a_hostile_config_is_refused_in_one_sentence_before_any_weight(
             "does not write the user's first message once",
         ),
         (
-            "{% for m in messages %}<{{ m.role }}>{{ m.content | replace(' ', '_') }}<|eot_id|>{% endfor %}"
+            "{% for m in messages %}<{{ m.role }}>{{ m.content | replace(' ', '_') }}"
+            "<|eot_id|>{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}",
             "changes the text of the user's first message beyond trimming it",
         ),
