@@ -49,7 +49,9 @@ class Group:
 
 
 class Refused(NamedTuple):
-    """A member the buffer would not take: ``duplicate`` or ``env_mismatch``."""
+    """A member the buffer would not take: ``duplicate`` or ``env_mismatch`` (an invalid
+    member, dead-lettered), or ``group_refused`` (a valid member of a group that can no
+    longer complete, dropped)."""
 
     reason: str
     detail: str
@@ -70,12 +72,17 @@ class GroupBuffer:
         self.timeout_s = timeout_s
         self._groups: OrderedDict[str, Group] = OrderedDict()
         self._done: OrderedDict[str, None] = OrderedDict()
+        #: groups that lost a member to a refusal, and why: they can never complete
+        self._refused: OrderedDict[str, str] = OrderedDict()
         self._remember = remember
         self.records = 0
 
     def add(self, t: Trajectory, where: Coordinates) -> Group | Refused | None:
         if t.group_id in self._done:
             return Refused("duplicate", f"group {t.group_id[:80]} is already complete")
+        why = self._refused.get(t.group_id)
+        if why is not None:
+            return Refused("group_refused", f"another member of its group was refused ({why})")
         g = self._groups.get(t.group_id)
         if g is None:
             g = self._groups[t.group_id] = Group(t.group_id, t.env, t.group_size, time.monotonic())
@@ -102,6 +109,18 @@ class GroupBuffer:
         g = self._groups.pop(gid)
         self.records -= len(g.members)
         return g
+
+    def refuse_group(self, gid: str, why: str) -> Group | None:
+        """A member of group ``gid`` was refused, so the group can never complete: its
+        waiting members are handed back at once (to be dropped, not left waiting for the
+        timeout), and members that arrive later are refused as ``group_refused``. A
+        group already complete is not affected (the refused record was a repeat)."""
+        if gid in self._done:
+            return None
+        self._refused[gid] = why
+        if len(self._refused) > self._remember:
+            self._refused.popitem(last=False)
+        return self._remove(gid) if gid in self._groups else None
 
     def expired(self, now: float | None = None) -> list[Group]:
         now = time.monotonic() if now is None else now

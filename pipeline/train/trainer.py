@@ -417,19 +417,24 @@ class Trainer(PartitionReading):
             return self.held.hold(m, verdict)
         if isinstance(verdict, RecordDecodeError):
             self.dead_letters.send(m, verdict)
-            return self._drop(None, where, verdict.reason, env)
+            self._drop(None, where, verdict.reason, env)
+            return self._release_group(m, None, verdict.reason)
         if isinstance(verdict, str):  # dropped without being invalid (stale, too long ...)
             return self._drop(None, where, verdict, env)
         t = verdict
         if t.min_version >= 0 and self._stale(t.min_version):
             return self._drop(t.trajectory_id, where, "stale", env)
-        if bucket_for(t.num_tokens, self.cfg.buckets) is None:
-            return self._drop(t.trajectory_id, where, "too_long", env)
-        if t.group_size != self.cfg.group_size:
-            return self._drop(t.trajectory_id, where, "group_size", env)
+        for reason, unfit in (
+            ("too_long", bucket_for(t.num_tokens, self.cfg.buckets) is None),
+            ("group_size", t.group_size != self.cfg.group_size),
+        ):
+            if unfit:
+                self._drop(t.trajectory_id, where, reason, env)
+                return self._release_group(m, t.group_id, reason)
         group = self.buffer.add(t, where)
         if isinstance(group, Refused):
-            self.dead_letters.send(m, RecordDecodeError(group.reason, group.detail))
+            if group.reason != "group_refused":  # (a valid member of a lost group)
+                self.dead_letters.send(m, RecordDecodeError(group.reason, group.detail))
             return self._drop(t.trajectory_id, where, group.reason, env)
         if group is not None:
             self.ready.put(group)
@@ -444,6 +449,22 @@ class Trainer(PartitionReading):
         self.drops[reason] += 1
         self.drops_by_env[f"{env}:{reason}"] += 1
         metric("drop", 1, reason=reason, env=env)
+
+    def _release_group(self, m: Record, gid: str | None, reason: str) -> None:
+        """A member of a group was refused or dropped: the group (``gid``, or the
+        record's key, which producers set to the group id) can never complete, so its
+        waiting members are dropped now, not when ``group_timeout_s`` expires: the
+        committed position, and with it the producers' budget, moves on at once."""
+        if gid is None:
+            try:
+                gid = (m.key or b"").decode("utf-8")
+            except UnicodeDecodeError:
+                return
+        if not gid or reason == "duplicate":  # a repeat: the group itself is sound
+            return
+        group = self.buffer.refuse_group(gid, reason)
+        if group is not None:
+            self._drop_group(group, "group_refused")
 
     def _drop_group(self, g: Any, reason: str) -> None:
         for mem in g.members.values():

@@ -223,6 +223,63 @@ def test_unreadable_headers_and_unforeseen_failures_become_refusals(tmp_path: Pa
     assert trainer.tracker.low(("ns.rollouts.math", 0)) == 2  # both settled
 
 
+def test_a_refused_member_releases_its_group_at_once(tmp_path: Path) -> None:
+    """A group that lost a member to a refusal can never complete: its waiting members
+    are dropped at once (``group_refused``), not held until ``group_timeout_s``, and so
+    is every member that arrives after it; other groups are untouched."""
+    from pipeline.kafka.message import Record
+    from pipeline.train.config import TrainerConfig
+    from pipeline.train.trainer import Trainer
+
+    class Source:
+        exhausted = False
+
+        def subscribe(self, topics: Any, on_assign: Any, on_revoke: Any) -> None:
+            pass
+
+    cfg = TrainerConfig(
+        namespace="ns",
+        run_dir=tmp_path,
+        buckets=(64,),
+        model=CFG,
+        group_size=4,
+        group_timeout_s=600,
+    )
+    trainer = Trainer(cfg, None, source=Source())
+    rng = np.random.default_rng(5)
+    offset = iter(range(100))
+
+    def send(gid: str, index: int, value: bytes | None = None) -> None:
+        t = make_trajectory(
+            40,
+            rng=rng,
+            env="math",
+            group_id=gid,
+            group_size=4,
+            group_index=index,
+            turns=2,
+            tokenizer_id=TOK.id,
+        )
+        o = next(offset)
+        data = CODEC.encode(t) if value is None else value
+        trainer._intake(Record("ns.rollouts.math", 0, o, 0, gid.encode(), data))
+
+    for i in range(2):
+        send("lost", i)
+        send("sound", i)
+    send("lost", 2, b"\xc3\x01 not a record")  # refused: the group can never complete
+    assert trainer.drops["group_refused"] == 2  # its two waiting members, at once
+    send("lost", 3)  # a member arriving later is dropped as well
+    assert trainer.drops["group_refused"] == 3
+    assert trainer.deadlettered == 1  # only the invalid record is a dead letter
+    for i in range(2, 4):
+        send("sound", i)
+    assert len(trainer.ready) == 1  # the other group completed as usual
+    tp = ("ns.rollouts.math", 0)  # lost's four records settled, sound's still to train
+    assert [o for o in range(8) if trainer.tracker.is_settled(tp, o)] == [0, 2, 4, 5]
+    assert "incomplete_group" not in trainer.drops
+
+
 # ---- checkpoint directories and model configurations -----------------------------------
 
 
