@@ -81,7 +81,9 @@ def announce(
     timeout: float = 30.0,
 ) -> None:
     """Send one announcement and wait until the broker has it."""
-    producer.produce(weights_topic(namespace), AvroCodec("WeightsAnnouncement").encode(record), KEY)
+    topic = weights_topic(namespace)
+    codec = AvroCodec("WeightsAnnouncement")
+    producer.produce(topic, codec.encode(record, codec.framing_for(topic)), KEY)
     if producer.flush(timeout):
         raise TimeoutError("weights announcement not acknowledged")
 

@@ -57,9 +57,11 @@ class Tracer:
         self.codec = AvroCodec("Telemetry")
         self._producer: Any = None
         self._topic = ""
+        self._framing: bytes | None = None
         if kafka is not None and namespace is not None:
             self._producer = kafka.producer()
             self._topic = telemetry_topic(namespace)
+            self._framing = self.codec.framing_for(self._topic)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # one flush at a time
@@ -156,7 +158,9 @@ class Tracer:
                     "labels": {},
                 }
             )
-        self._producer.produce(self._topic, self.codec.encode(datum), self.process.encode())
+        self._producer.produce(
+            self._topic, self.codec.encode(datum, self._framing), self.process.encode()
+        )
         self._producer.poll(0)
         self.sent += 1
         self.spans_sent += len(datum["spans"])

@@ -94,6 +94,16 @@ class AvroCodec:
         """Whether the C codec writes and reads these records."""
         return self._compiled.native
 
+    def framing_for(self, topic: str) -> bytes | None:
+        """The framing of this record type's values on ``topic``: with a schema registry
+        (``--schema-registry``), the schema is registered under ``<topic>-value`` and
+        values carry its id (Confluent's wire format); without one, None (single-object
+        encoding). Raises :class:`RegistryError` when the registry refuses the schema."""
+        registry_ = self._store.registry
+        if registry_ is None:
+            return None
+        return registry.framing(registry_.register(f"{topic}-value", self.schema.text))
+
     def encode(self, datum: Any, framing: bytes | None = None) -> bytes:
         """The record in single-object encoding, or after ``framing`` (the Confluent
         header of a schema id, :func:`pipeline.records.registry.framing`)."""

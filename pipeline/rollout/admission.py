@@ -141,6 +141,7 @@ class Heartbeats:
         self.producer_id = producer_id
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self.codec = AvroCodec("ProducerHeartbeat")
+        self._framing = self.codec.framing_for(self.topic)  # (registered now, at start)
         self.producer = kafka.producer(**{"linger.ms": 0})
         self.consumer = kafka.consumer(
             None, **{"enable.partition.eof": True, "fetch.wait.max.ms": 50}
@@ -168,7 +169,9 @@ class Heartbeats:
             "interval_ms": int(self.interval_s * 1000),
             "sent_at_ms": int(time.time() * 1000),
         }
-        self.producer.produce(self.topic, self.codec.encode(record), self.producer_id.encode())
+        self.producer.produce(
+            self.topic, self.codec.encode(record, self._framing), self.producer_id.encode()
+        )
         self.producer.poll(0)
         if self._first_beat is None:
             self._first_beat = time.monotonic()

@@ -450,3 +450,99 @@ def test_a_trainer_holds_records_while_the_registry_is_down_and_trains_them_afte
     assert trainer.deadlettered == 0 and not trainer.drops
     trained = {t[0] for e in read_ledger(tmp_path / "ledger.jsonl") for t in e["trained"]}
     assert trained == set(ids)
+
+
+def _read_framed(
+    kafka: KafkaConfig, url: str, topic: str, group: str, at_least: int = 1
+) -> list[dict[str, Any]]:
+    """Every value of ``topic`` (tombstones skipped), read by confluent-kafka's own
+    ``AvroDeserializer`` by schema id: it fails on anything not in the registry framing."""
+    deserializer = AvroDeserializer(SchemaRegistryClient({"url": url}))
+    consumer = Consumer(
+        {
+            "bootstrap.servers": kafka.bootstrap,
+            "group.id": group,
+            "auto.offset.reset": "earliest",
+            "enable.partition.eof": True,
+        }
+    )
+    consumer.subscribe([topic])
+    values: list[dict[str, Any]] = []
+    deadline = time.monotonic() + 60
+    ends = 0
+    try:
+        while time.monotonic() < deadline and not (ends and len(values) >= at_least):
+            msg = consumer.poll(1.0)
+            if msg is None:
+                continue
+            if msg.error() is not None:
+                ends += msg.error().code() == -191  # _PARTITION_EOF
+                continue
+            if msg.value() is None:
+                continue
+            value = deserializer(msg.value(), SerializationContext(topic, MessageField.VALUE))
+            assert isinstance(value, dict), topic
+            values.append(value)
+    finally:
+        consumer.close()
+    assert len(values) >= at_least, f"{topic}: {len(values)} values"
+    return values
+
+
+def test_every_topic_of_a_registry_run_reads_with_confluents_deserializer(
+    bootstrap: str, kafka: KafkaConfig, schema_registry_url: str, tmp_path: Path
+) -> None:
+    """``rlstream run --schema-registry``: rollouts, weights announcements, producer
+    heartbeats and telemetry are all in Confluent's framing, each under its own
+    ``<topic>-value`` subject, and read by ``AvroDeserializer``."""
+    from pipeline.kafka.topics import producers_topic, telemetry_topic, weights_topic
+    from tests.integration.test_run import SHORT
+
+    namespace = f"t{os.urandom(5).hex()}"
+    done = rlstream(
+        "run",
+        f"--bootstrap={bootstrap}",
+        f"--run-dir={tmp_path / 'run'}",
+        f"--namespace={namespace}",
+        f"--schema-registry={schema_registry_url}",
+        "--steps=2",
+        "--eval-episodes=0",
+        "--json",
+        *[f for f in SHORT if not f.startswith("--eval")],
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    expected = {
+        rollout_topic(namespace, "guess"): "Trajectory",
+        weights_topic(namespace): "WeightsAnnouncement",
+        producers_topic(namespace): "ProducerHeartbeat",
+        telemetry_topic(namespace): "Telemetry",
+    }
+    for topic, record in expected.items():
+        assert (
+            json.loads(_subject(schema_registry_url, f"{topic}-value")["schema"])["name"] == record
+        )
+        values = _read_framed(kafka, schema_registry_url, topic, f"{namespace}.audit")
+        if record == "WeightsAnnouncement":
+            assert {v["policy_version"] for v in values} >= {2}
+
+
+def test_dead_letters_are_framed_for_the_registry(
+    kafka: KafkaConfig, namespace: str, schema_registry: SchemaRegistry, schema_registry_url: str
+) -> None:
+    from pipeline.errors import RecordDecodeError
+    from pipeline.kafka.message import Record
+    from pipeline.kafka.topics import deadletter_topic
+    from pipeline.train.intake import DeadLetters
+
+    ensure_topics(kafka, namespace_topics(namespace, ["math"], 1))
+    producer = kafka.producer()
+    letters = DeadLetters(producer, namespace, "trainer")
+    bad = Record(rollout_topic(namespace, "math"), 0, 7, 0, b"g", b"\xc3\x01 junk")
+    letters.send(bad, RecordDecodeError("truncated", "7 bytes"))
+    assert producer.flush(30) == 0 and letters.failures == 0
+    (value,) = _read_framed(kafka, schema_registry_url, deadletter_topic(namespace), namespace)
+    assert (value["error_class"], value["value"], value["source_offset"]) == (
+        "truncated",
+        b"\xc3\x01 junk",
+        7,
+    )
