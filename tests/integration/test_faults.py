@@ -422,3 +422,33 @@ def test_a_slow_trainer_holds_producers_back_bounds_lag_and_trains_nothing_stale
         f"(budget {budget}); produced {produced} for 10 steps of 8"
     )
     assert produced <= 10 * 8 + budget + 2 * 16
+
+
+def test_groups_that_lose_a_member_are_released_and_the_trainer_stays_busy(
+    bootstrap: str, kafka: KafkaConfig, namespace: str, tmp_path: Path
+) -> None:
+    """A trainer whose largest bucket (112 tokens) is shorter than about one ``guess``
+    episode in seven drops those members as ``too_long``: their groups can never
+    complete. Released at once (``group_refused``), they no longer hold the committed
+    position and with it the producer's admission budget until ``group_timeout_s``
+    (60 s): the trainer stays busy."""
+    ensure_topics(kafka, namespace_topics(namespace, ["guess"], 2))
+    p = Pipeline(bootstrap, namespace, tmp_path)
+    try:
+        trainer = p.trainer(
+            "--buckets", "64", "--buckets", "112", "--max-steps", "12", "--max-staleness", "4"
+        )
+        producer = p.producer("producer-0", *PRODUCER)
+        assert trainer.wait(400) == 0, p.log("trainer")
+        producer.send_signal(signal.SIGTERM)
+        assert producer.wait(60) == 0, p.log("producer-0")
+    finally:
+        p.stop()
+    steps = p.steps()
+    assert [s["step"] for s in steps] == list(range(1, 13))
+    reasons = Counter(r for v in p.outcomes().values() for r in v)
+    assert reasons["too_long"] > 0 and reasons["group_refused"] > 0, reasons
+    assert reasons["incomplete_group"] == 0, reasons
+    busy = steps[-1]["busy_share"]
+    print(f"busy share {busy:.2f} over 12 steps; settled {dict(reasons)}")
+    assert busy >= 0.8, steps[-1]
