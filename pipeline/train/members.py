@@ -65,6 +65,11 @@ class Members:
                 num_processes=members,
                 process_id=index,
                 initialization_timeout=JOIN_TIMEOUT_S,
+                # the service listens on the address given (loopback by default), not on
+                # every interface as JAX would: it has no authentication
+                coordinator_bind_address=os.environ.get(
+                    "JAX_COORDINATOR_BIND_ADDRESS", coordinator
+                ),
             )
         except RuntimeError as e:
             raise RlstreamError(

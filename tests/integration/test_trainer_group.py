@@ -5,6 +5,7 @@ adapters over both members)."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import random
 import re
@@ -66,6 +67,25 @@ def _stop(group: list[subprocess.Popen[bytes]], sig: int) -> None:
 def _trained_steps(run_dir: Path) -> int:
     ledger = run_dir / "ledger.jsonl"
     return ledger.read_text().count('"trained": [[') if ledger.exists() else 0
+
+
+def listening(port: int) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The local addresses of this machine's TCP sockets listening on ``port``, read
+    from ``/proc/net/tcp`` and ``tcp6`` (state 0A)."""
+    out: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = []
+    for name, size in (("tcp", 4), ("tcp6", 16)):
+        for line in Path(f"/proc/net/{name}").read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state != "0A" or int(hex_port, 16) != port:
+                continue
+            raw = bytes.fromhex(address)
+            # the kernel prints each 32-bit word in host (little-endian) order
+            packed = b"".join(raw[i : i + 4][::-1] for i in range(0, size, 4))
+            ip = ipaddress.ip_address(packed)
+            mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1 is 127.0.0.1
+            out.append(mapped or ip)
+    return out
 
 
 def _wait_for_a_step(run_dir: Path, group: list[subprocess.Popen[bytes]]) -> None:
@@ -132,6 +152,11 @@ def test_a_sigkilled_trainer_group_trains_every_record_at_most_once_and_loses_no
         for k in range(3):
             group = _start_group(common, tmp_path, log)
             _wait_for_a_step(tmp_path, group)
+            if k == 0:  # the coordinator (no authentication) listens on loopback only
+                args = [str(a) for a in group[0].args]
+                port = int(args[args.index("--coordinator") + 1].rsplit(":", 1)[1])
+                bound = listening(port)
+                assert bound and all(a.is_loopback for a in bound), bound
             time.sleep(rng.uniform(0, 6))  # mid-step, mid-checkpoint or between
             victim = group[k % 2]
             victim.send_signal(signal.SIGKILL)
