@@ -171,7 +171,8 @@ def make(name: str, /, **options: Any) -> Environment:
     try:
         return factory(name)(**options)
     except TypeError as e:
-        raise InvalidConfigError(f"environment {name!r}: bad options {options}: {e}") from None
+        shown = str(options)[:300]
+        raise InvalidConfigError(f"environment {name!r}: bad options {shown}: {e}") from None
 
 
 def env_name(name: str, options: Mapping[str, Any] | None = None) -> str:

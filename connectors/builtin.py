@@ -20,6 +20,7 @@ from typing import Any
 
 from connectors.base import Environment, LatencyModel, Step, Task
 from connectors.tools import Tool, ToolRegistry
+from pipeline.errors import InvalidConfigError
 
 _INT = re.compile(r"-?\d+")
 _DIGIT = re.compile(r"\d+")
@@ -39,6 +40,16 @@ class GuessNumber(Environment):
         latency: LatencyModel | None = None,
         seed: int | None = None,
     ) -> None:
+        for what, v in (("low", low), ("high", high), ("max_turns", max_turns)):
+            if not isinstance(v, int) or isinstance(v, bool) or abs(v) > 2**31:
+                raise InvalidConfigError(
+                    f"guess: {what} must be an integer within 2**31, got {v!r}"[:200]
+                )
+        if not (low <= high and 1 <= max_turns <= 1000):
+            raise InvalidConfigError(
+                f"guess: low must not exceed high and max_turns must lie in [1, 1000], got "
+                f"{low}, {high}, {max_turns}"
+            )
         self.low, self.high, self.max_turns = low, high, max_turns
         self.latency = latency or LatencyModel()
         self._rng = random.Random(seed)

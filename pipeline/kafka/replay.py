@@ -29,6 +29,7 @@ from pipeline.kafka.message import Record
 from pipeline.kafka.topics import env_of, rollout_topics
 from pipeline.kafka.transport import read_ranges
 from pipeline.records.codec import TrajectoryCodec, to_avro_dict
+from pipeline.records.container import ContainerError, NotAContainerError, read_blocks
 from pipeline.records.schema_store import default_store
 from pipeline.records.trajectory import Trajectory
 
@@ -223,24 +224,21 @@ def _rows(path: Path) -> Iterator[dict[str, Any]]:
     except OSError as e:
         raise RecordingError(f"cannot open recording {path}: {e.strerror}") from None
     with f:
-        try:
-            blocks = fastavro.block_reader(f, recording_schema())
-        except Exception as e:  # not an Avro container file at all
-            raise RecordingError(f"{path} is not an rlstream recording: {e}") from None
+        blocks = read_blocks(f, recording_schema())
         index = 0
         while True:
             at = f.tell()
             try:
-                block = next(blocks)
-                rows = list(block)
+                rows = next(blocks)
             except StopIteration:
                 return
-            except Exception as e:  # a torn or corrupt block
+            except NotAContainerError as e:
+                raise RecordingError(f"{path} is not an rlstream recording: {e}") from None
+            except ContainerError as e:
                 raise RecordingError(
-                    f"{path}: block {index} (from byte {at}) is damaged or truncated: "
-                    f"{type(e).__name__}: {e}"
+                    f"{path}: block {index} (from byte {at}) is damaged or truncated: {e}"
                 ) from None
-            yield from rows  # type: ignore[misc]
+            yield from rows
             index += 1
 
 

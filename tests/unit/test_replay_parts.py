@@ -82,8 +82,46 @@ def test_the_source_serves_the_file_in_order_then_is_exhausted(tmp_path: Path) -
     assigned = []
     src.subscribe([], on_assign=lambda c, parts: assigned.extend(parts))
     first = src.consume(3)
-    assert [m.offset() for m in first] == [0, 1, 2] and len(assigned) == 1
-    assert [m.offset() for m in src.consume(10)] == [3, 4]
+    assert [m.offset for m in first] == [0, 1, 2] and len(assigned) == 1
+    assert [m.offset for m in src.consume(10)] == [3, 4]
     assert src.exhausted and src.consume(10) == []
     assert src.get_watermark_offsets(assigned[0]) == (0, 5)
-    assert first[0].timestamp()[1] == 1000 and first[0].key() == b"g"
+    assert first[0].timestamp_ms == 1000 and first[0].key == b"g"
+
+
+def test_a_deflate_bomb_is_refused_without_inflating_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block whose deflate data inflates past the bound (here 1 MiB, 64 MiB in use) is
+    refused as damaged; the blocks before it are read."""
+    import resource
+    import zlib
+
+    from pipeline.records import container
+
+    monkeypatch.setattr(container, "MAX_BLOCK_BYTES", 1 << 20)
+    path = tmp_path / "r.avro"
+    _write(path, 3)
+    good = path.read_bytes()
+    with path.open("rb") as f:
+        header = fastavro.schemaless_reader(f, fastavro.read.HEADER_SCHEMA)
+    sync = header["sync"]  # type: ignore[index,call-overload]
+    packer = zlib.compressobj(9, zlib.DEFLATED, -15)
+    bomb = packer.compress(b"\0" * (64 << 20)) + packer.flush()  # 64 MiB in about 64 KB
+
+    def long(n: int) -> bytes:
+        n = (n << 1) ^ (n >> 63)
+        out = bytearray()
+        while n > 0x7F:
+            out.append(n & 0x7F | 0x80)
+            n >>= 7
+        return bytes([*out, n])
+
+    path.write_bytes(good + long(1) + long(len(bomb)) + bomb + sync)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    got = []
+    with pytest.raises(RecordingError, match=r"block \d+ .* inflates to more than 1 MiB"):
+        for r in read_recording(path):
+            got.append(r)
+    assert len(got) == 3
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 32 << 10  # KiB
