@@ -8,6 +8,7 @@ group.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -49,7 +50,7 @@ class Child:
                 stdin=subprocess.DEVNULL,
                 env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
                 start_new_session=True,
-                preexec_fn=_stop_with_parent,
+                preexec_fn=functools.partial(_stop_with_parent, os.getpid()),
             )
         self.started_at = time.monotonic()
         self.returncode = None
@@ -82,14 +83,17 @@ class Child:
         return "\n".join(text.rstrip().splitlines()[-lines:])
 
 
-def _stop_with_parent() -> None:
+def _stop_with_parent(parent: int) -> None:
     """In the child before exec: on Linux, get SIGTERM when the supervisor dies, even by
-    SIGKILL, so that no child outlives it."""
+    SIGKILL, so that no child outlives it; a supervisor that died before this ran (the
+    signal would never come) ends the child at once."""
     if sys.platform.startswith("linux"):
         import ctypes
 
         pr_set_pdeathsig = 1
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+        if os.getppid() != parent:
+            os._exit(1)
 
 
 class Supervisor:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from connectors.base import close_shared, make
+from pipeline.errors import RlstreamError
 from pipeline.policy.config import ModelConfig, SamplingConfig
 from pipeline.policy.hf_weights import initial_model
 from pipeline.policy.sampler import DecodeEngine
@@ -107,6 +108,11 @@ def evaluate(
         trajectories = asyncio.run(play())
     finally:
         server.stop()
+    if server.error is not None:  # its episodes ended as failures: no result to report
+        raise RlstreamError(
+            f"the evaluation's policy failed: {type(server.error).__name__}: "
+            f"{str(server.error)[:300]}"
+        )
     rewards = [t.reward for t in trajectories]
     return EvalResult(
         episodes=len(rewards),

@@ -566,3 +566,20 @@ def test_weights_paths_are_resolved_for_a_person_or_refused_naming_the_newest(
     (tmp_path / "empty" / "weights").mkdir(parents=True)
     with pytest.raises(InvalidConfigError, match="holds no weights yet"):
         find_weights(tmp_path / "empty")
+
+
+def test_an_evaluation_whose_policy_failed_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failing policy thread ended every episode as a failure and ``eval`` reported a
+    success rate (exit 0): now the evaluation itself fails, with the cause."""
+    from pipeline.errors import RlstreamError
+    from pipeline.policy.sampler import DecodeEngine
+    from pipeline.rollout.evaluate import evaluate
+
+    def broken(self: DecodeEngine, slots: list[int]) -> Any:
+        raise FloatingPointError("the logits are NaN")
+
+    monkeypatch.setattr(DecodeEngine, "step", broken)
+    with pytest.raises(
+        RlstreamError, match="policy failed: FloatingPointError: the logits are NaN"
+    ):
+        evaluate("guess", model=CFG, episodes=4, concurrency=4)
