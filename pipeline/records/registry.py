@@ -48,6 +48,16 @@ class RegistryError(RlstreamError):
     """The schema registry refused a request or did not answer."""
 
 
+class UnusableSchemaIdError(RegistryError):
+    """The registry answered for a schema id, ``BAD_ANSWERS`` times in a row, with
+    something that is not a schema (an error status, a body that is not JSON or too
+    large): records framed with that id can never be read, unlike while it is down."""
+
+
+#: answers for one schema id that are not a schema, in a row, before the id is given up
+BAD_ANSWERS = 5
+
+
 def framing(schema_id: int) -> bytes:
     """The 5-byte Confluent header of records written with schema ``schema_id``."""
     if not 0 <= schema_id < 2**31:
@@ -89,6 +99,8 @@ class SchemaRegistry:
         self._ids: dict[tuple[str, str], int] = {}
         self._texts: dict[int, str] = {}
         self._missing: dict[int, str] = {}
+        #: schema id -> unusable answers in a row, and the last one's reason
+        self._bad: dict[int, tuple[int, str]] = {}
         self._down_until = 0.0
         self._down_reason = ""
         self.requests = 0
@@ -139,10 +151,18 @@ class SchemaRegistry:
                 return self._texts[schema_id]
             if schema_id in self._missing:
                 return None
+            bad, why = self._bad.get(schema_id, (0, ""))
+            if bad >= BAD_ANSWERS:
+                raise UnusableSchemaIdError(why)
             if time.monotonic() < self._down_until:  # it failed a moment ago: fail fast
                 raise RegistryError(self._down_reason)
         try:
             answer = self._request("GET", f"/schemas/ids/{schema_id}", what=f"look up {schema_id}")
+            text = answer.get("schema") if isinstance(answer, dict) else None
+            if not isinstance(text, str):
+                raise RegistryError(
+                    f"schema id {schema_id}: the registry answered without a schema"
+                )
         except _Down as e:
             with self._lock:
                 self._down_until = time.monotonic() + DOWN_S
@@ -154,11 +174,21 @@ class SchemaRegistry:
                     self._missing.pop(next(iter(self._missing)))
                 self._missing[schema_id] = ""
             return None
-        text = answer.get("schema") if isinstance(answer, dict) else None
-        if not isinstance(text, str):
-            raise RegistryError(f"schema id {schema_id}: the registry answered without a schema")
+        except _Unauthorized:  # the same for every id: held until the credentials work
+            raise
+        except RegistryError as e:  # it answered, with no schema: counted against the id
+            with self._lock:
+                bad = self._bad.get(schema_id, (0, ""))[0] + 1
+                if len(self._bad) >= _MAX_MISSES and schema_id not in self._bad:
+                    self._bad.pop(next(iter(self._bad)))
+                why = f"{e} ({bad} answers in a row)"
+                self._bad[schema_id] = (bad, why)
+            if bad >= BAD_ANSWERS:
+                raise UnusableSchemaIdError(why) from None
+            raise
         with self._lock:
             self._texts[schema_id] = text
+            self._bad.pop(schema_id, None)
         return text
 
     # ---- HTTP ----------------------------------------------------------------------
@@ -196,7 +226,7 @@ class SchemaRegistry:
             if e.code == 404 and method == "GET":
                 raise _NotFound(reason) from None
             if e.code in (401, 403):
-                raise RegistryError(
+                raise _Unauthorized(
                     f"the schema registry at {self._base} refused the credentials "
                     f"(HTTP {e.code}) trying to {what}: {reason}"
                 ) from None
@@ -218,6 +248,10 @@ class SchemaRegistry:
 
 
 class _NotFound(RegistryError):
+    pass
+
+
+class _Unauthorized(RegistryError):
     pass
 
 

@@ -19,7 +19,7 @@ from fastavro.schema import fingerprint as _fingerprint
 from fastavro.schema import parse_schema, to_parsing_canonical_form
 
 from pipeline.errors import RecordDecodeError, RegistryUnavailableError
-from pipeline.records.registry import RegistryError, SchemaRegistry
+from pipeline.records.registry import RegistryError, SchemaRegistry, UnusableSchemaIdError
 
 #: Schema files in dependency order (a file may use named types of the ones before it).
 SCHEMA_FILES = (
@@ -177,6 +177,8 @@ class SchemaStore:
             )
         try:
             text = self._registry.schema_text(schema_id)
+        except UnusableSchemaIdError as e:  # answered, never with a schema: refused
+            raise RecordDecodeError("unknown_schema", f"schema id {schema_id}: {e}") from None
         except RegistryError as e:
             raise RegistryUnavailableError(f"schema id {schema_id}: {e}") from None
         if text is None:

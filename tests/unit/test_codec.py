@@ -365,3 +365,57 @@ def test_tensor_shortcuts_write_and_read_what_the_generated_code_does(dtype: str
     two_d = generic.encode(array.reshape(1, n))
     assert _read_tensor_1d(two_d, 0) is None
     assert generic.decode(two_d)[0].shape == (1, n)
+
+
+def test_a_registry_that_answers_garbage_for_an_id_gives_it_up_after_bounded_tries() -> None:
+    """An error status, a body that is not JSON or one of 5 MB for one schema id: the
+    record is held (the registry may recover) for ``BAD_ANSWERS`` answers, then refused
+    as ``unknown_schema`` and the id is not asked for again. A registry that does not
+    answer at all is held for as long as it takes, and one that refuses the credentials
+    too (the same for every id)."""
+    import http.server
+    import threading
+
+    from pipeline.errors import RegistryUnavailableError
+    from pipeline.records.registry import BAD_ANSWERS, RegistryConfig, SchemaRegistry
+    from pipeline.records.schema_store import SchemaStore
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            schema_id = int(self.path.rsplit("/", 1)[1])
+            status, body = {
+                7: (500, b"<html>proxy error</html>"),
+                8: (200, b"not json {"),
+                9: (200, b'{"schema": "' + b"x" * (5 << 20) + b'"}'),
+                10: (401, b'{"message": "who are you"}'),
+            }[schema_id]
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        store = SchemaStore()
+        registry = SchemaRegistry(RegistryConfig(f"http://127.0.0.1:{server.server_port}"))
+        store.registry = registry
+        for schema_id, why in ((7, "HTTP 500"), (8, "not JSON"), (9, "not JSON")):
+            for _ in range(BAD_ANSWERS - 1):
+                with pytest.raises(RegistryUnavailableError):
+                    store.writer_by_id(schema_id)
+            with pytest.raises(RecordDecodeError, match=why) as refused:
+                store.writer_by_id(schema_id)
+            assert refused.value.reason == "unknown_schema"
+            asked = registry.requests
+            with pytest.raises(RecordDecodeError, match="answers in a row"):
+                store.writer_by_id(schema_id)
+            assert registry.requests == asked  # given up: not asked again
+        for _ in range(BAD_ANSWERS + 2):
+            with pytest.raises(RegistryUnavailableError, match="refused the credentials"):
+                store.writer_by_id(10)
+    finally:
+        server.shutdown()
