@@ -33,6 +33,7 @@ from pipeline.records.trajectory import Trajectory, Turns
 from pipeline.testing import make_trajectory
 from pipeline.train.trainer import Trainer
 from tests.integration.test_broker import rlstream
+from tests.sockets import listening
 
 pytestmark = pytest.mark.integration
 
@@ -228,36 +229,6 @@ def test_registry_answers_are_checked(schema_registry_url: str) -> None:
         RegistryConfig("http://x", username="u")
 
 
-def _listening(pid: int) -> set[tuple[str, int]]:
-    """The (address, port) of every TCP socket ``pid`` listens on, from /proc."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    found = set()
-    for table in ("tcp", "tcp6"):
-        for line in open(f"/proc/net/{table}").read().splitlines()[1:]:
-            cols = line.split()
-            if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
-                addr, port = cols[1].split(":")
-                raw = bytes.fromhex(addr)
-                if table == "tcp":
-                    text = ".".join(str(b) for b in raw[::-1])
-                else:  # four little-endian 32-bit words
-                    words = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
-                    text = (
-                        ".".join(str(b) for b in words[12:])
-                        if words[:12] == b"\0" * 10 + b"\xff\xff"
-                        else words.hex()
-                    )
-                found.add((text, int(port, 16)))
-    return found
-
-
 @pytest.mark.slow
 def test_registry_start_binds_loopback_only_keeps_ids_and_can_require_a_user(
     tmp_path: Any,
@@ -275,9 +246,9 @@ def test_registry_start_binds_loopback_only_keeps_ids_and_can_require_a_user(
     rc, state = cli("start")
     try:
         assert rc == 0 and state["url"] == f"http://127.0.0.1:{port}/apis/ccompat/v7"
-        listening = _listening(state["pid"])
-        assert {p for _, p in listening} == {port, port + 1}, listening
-        assert {a for a, _ in listening} == {"127.0.0.1"}, listening
+        bound = listening(state["pid"])
+        assert {p for _, p in bound} == {port, port + 1}, bound
+        assert {str(a) for a, _ in bound} == {"127.0.0.1"}, bound
         registry = SchemaRegistry(RegistryConfig(state["url"]))
         schema = default_store().reader("Trajectory")
         schema_id = registry.register("restart-value", schema.text)

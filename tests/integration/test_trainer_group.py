@@ -5,7 +5,6 @@ adapters over both members)."""
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import random
 import re
@@ -23,6 +22,7 @@ from pipeline.kafka.transport import Decoded, TrajectoryReader
 from pipeline.records.ledger import durable_ledger, outcomes, run_ledger
 from pipeline.train.members import free_coordinator
 from tests.integration.faults import cli, guess_producer, guess_trainer, terminate_as_it_starts
+from tests.sockets import listening
 
 EPISODES = 192
 
@@ -67,25 +67,6 @@ def _stop(group: list[subprocess.Popen[bytes]], sig: int) -> None:
 def _trained_steps(run_dir: Path) -> int:
     ledger = run_dir / "ledger.jsonl"
     return ledger.read_text().count('"trained": [[') if ledger.exists() else 0
-
-
-def listening(port: int) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
-    """The local addresses of this machine's TCP sockets listening on ``port``, read
-    from ``/proc/net/tcp`` and ``tcp6`` (state 0A)."""
-    out: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = []
-    for name, size in (("tcp", 4), ("tcp6", 16)):
-        for line in Path(f"/proc/net/{name}").read_text().splitlines()[1:]:
-            local, state = line.split()[1], line.split()[3]
-            address, hex_port = local.split(":")
-            if state != "0A" or int(hex_port, 16) != port:
-                continue
-            raw = bytes.fromhex(address)
-            # the kernel prints each 32-bit word in host (little-endian) order
-            packed = b"".join(raw[i : i + 4][::-1] for i in range(0, size, 4))
-            ip = ipaddress.ip_address(packed)
-            mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1 is 127.0.0.1
-            out.append(mapped or ip)
-    return out
 
 
 def _wait_for_a_step(run_dir: Path, group: list[subprocess.Popen[bytes]]) -> None:
@@ -155,7 +136,7 @@ def test_a_sigkilled_trainer_group_trains_every_record_at_most_once_and_loses_no
             if k == 0:  # the coordinator (no authentication) listens on loopback only
                 args = [str(a) for a in group[0].args]
                 port = int(args[args.index("--coordinator") + 1].rsplit(":", 1)[1])
-                bound = listening(port)
+                bound = [a for a, p in listening() if p == port]
                 assert bound and all(a.is_loopback for a in bound), bound
             time.sleep(rng.uniform(0, 6))  # mid-step, mid-checkpoint or between
             victim = group[k % 2]
