@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 from connectors import protocol
 from connectors.base import Environment, Task, make
+from connectors.limits import ConnectionGuard, listen
 
 log = logging.getLogger(__name__)
 
@@ -281,6 +282,7 @@ def http_app(
     host: SessionHost,
     max_request_bytes: int = protocol.MAX_MESSAGE_BYTES,
     body_timeout_s: float = 10.0,
+    guard: ConnectionGuard | None = None,
 ) -> Any:
     """The aiohttp application serving ``host`` (see docs/environment-protocol.md).
     Every error answer, 413 and 408 included, is the protocol's JSON."""
@@ -331,7 +333,10 @@ def http_app(
                 "oversized", f"a body over {max_request_bytes} bytes"
             ) from None
 
-    app = web.Application(client_max_size=max_request_bytes)
+    app = web.Application(
+        client_max_size=max_request_bytes,
+        middlewares=[guard.middleware()] if guard is not None else [],
+    )
     app.router.add_get("/v1/health", health)
     app.router.add_put("/v1/sessions/{sid}", call)
     app.router.add_delete("/v1/sessions/{sid}", call)
@@ -350,11 +355,13 @@ async def serve_http(
     """Serve until cancelled; prints one line with the bound address when listening."""
     from aiohttp import web
 
-    runner = web.AppRunner(http_app(host), access_log=None)
+    guard = ConnectionGuard()
+    runner = web.AppRunner(
+        http_app(host, guard=guard), access_log=None, keepalive_timeout=guard.header_timeout_s
+    )
     await runner.setup()
-    site = web.TCPSite(runner, address, port)
-    await site.start()
-    actual = runner.addresses[0][1] if runner.addresses else port
+    server = await listen(runner, guard, address, port)
+    actual = server.sockets[0].getsockname()[1] if server.sockets else port
     print(
         f"serving environment {host.name} on http://{address}:{actual}/v1 (pid {os.getpid()})",
         flush=True,
@@ -364,6 +371,7 @@ async def serve_http(
     try:
         await asyncio.Event().wait()
     finally:
+        server.close()
         await runner.cleanup()
 
 

@@ -403,6 +403,49 @@ def test_the_server_answers_oversized_and_half_sent_bodies_in_json() -> None:
     asyncio.run(main())
 
 
+def test_the_server_closes_half_sent_requests_and_bounds_its_connections() -> None:
+    """Clients that send half a request line and nothing more (slowloris) were held
+    open without limit: now a connection that delivers no headers within the bound is
+    closed, connections past the limit are closed as they arrive, and a real request
+    is still answered meanwhile."""
+    from aiohttp import web
+
+    from connectors.limits import ConnectionGuard, listen
+
+    async def main() -> None:
+        guard = ConnectionGuard(max_connections=40, header_timeout_s=1.0)
+        runner = web.AppRunner(http_app(SessionHost("guess"), guard=guard), keepalive_timeout=1.0)
+        await runner.setup()
+        server = await listen(runner, guard, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            slow = []
+            for _ in range(100):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(b"GET /v1/hea")  # half a request line, then nothing
+                slow.append((reader, writer))
+            await asyncio.sleep(0.2)
+            assert guard.open <= 40 and guard.refused >= 60
+            start = time.monotonic()
+            closed = await asyncio.gather(
+                *(asyncio.wait_for(r.read(), 5) for r, _ in slow), return_exceptions=True
+            )
+            assert all(c == b"" for c in closed), closed[:3]  # every one closed by the server
+            assert time.monotonic() - start < 3
+            assert guard.open == 0 and guard.expired >= 1
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /v1/health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert (await asyncio.wait_for(reader.read(), 5)).startswith(b"HTTP/1.1 200")
+            for _, w in slow:
+                w.close()
+            writer.close()
+        finally:
+            server.close()
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
 async def _raw(port: int, method: bytes, length: int | None, body: bytes) -> tuple[int, bytes]:
     """One request written by hand (``length`` None: chunked); the status and body."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
