@@ -62,13 +62,22 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from pipeline.errors import InvalidConfigError
+    from pipeline.policy import tensorfile
     from pipeline.policy.chat import ChatTokenizer
     from pipeline.policy.hf_config import read_model_config
     from pipeline.policy.hf_weights import check_checkpoint, estimate_bytes
 
     cfg = read_model_config(args.directory)
-    check_checkpoint(cfg)
+    headers = check_checkpoint(cfg)
     tok = ChatTokenizer.load(args.directory)
+    # every tensor read once, memory-mapped, one at a time: loading would refuse these
+    bad = [n for n, h in sorted(headers.items()) if not tensorfile.all_finite(h, n)]
+    if bad:
+        raise InvalidConfigError(
+            f"{len(bad)} tensors of {args.directory} hold NaN or infinity: "
+            f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}"
+        )
     info = {
         "model": json.loads(cfg.to_json()),
         "parameters": cfg.num_params(),

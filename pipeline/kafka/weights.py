@@ -309,13 +309,14 @@ class WeightsSubscriber:
 
     def _base_params(self, uri: str, announced: str) -> Any:
         """The base checkpoint LoRA adapters name, verified like any announced one and
-        kept: loaded once however many adapter versions follow."""
-        if self._base is not None and self._base[0] == announced:
-            return self._base[1]
+        kept: loaded once however many adapter versions follow. The URI is checked first,
+        every time: a cached digest never vouches for a path outside the roots."""
         try:
             path = checkpoint_path(uri, self.allowed_roots)
         except ValueError as e:
             raise _Refusal("uri", f"base: {e}") from None
+        if self._base is not None and self._base[0] == announced:
+            return self._base[1]
         with tempfile.TemporaryDirectory(prefix="rlstream-base-") as tmp:
             params = restore_params(self._copy(path, announced, Path(tmp) / "base"), self.cfg)
         if not all_finite(params):

@@ -20,7 +20,13 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
-from tenacity import before_sleep_log, retry, stop_after_attempt, wait_exponential
+from tenacity import (
+    RetryCallState,
+    retry,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential,
+)
 
 from pipeline.errors import InvalidConfigError
 from pipeline.policy.config import ModelConfig
@@ -31,12 +37,41 @@ log = logging.getLogger(__name__)
 #: the file beside the parameters that names their policy version
 VERSION_FILE = "rlstream.json"
 
+
+def _log_retry(state: RetryCallState) -> None:
+    """One line per retry, the error cut (tensorstore's carry kilobytes of spec)."""
+    error = state.outcome.exception() if state.outcome is not None else None
+    log.warning(
+        "retrying %s in %.1f s error=%s: %s",
+        getattr(state.fn, "__name__", "checkpoint I/O"),
+        state.next_action.sleep if state.next_action is not None else 0.0,
+        type(error).__name__,
+        str(error)[:300],
+    )
+
+
 _io_retry = retry(
+    # what the file system failed to do may work a moment later; files that are not a
+    # checkpoint (orbax and tensorstore raise ValueError) will not, and are refused at once
+    retry=retry_if_exception_type(OSError),
     stop=stop_after_attempt(3),
     wait=wait_exponential(multiplier=0.2, max=2),
-    before_sleep=before_sleep_log(log, logging.WARNING),
+    before_sleep=_log_retry,
     reraise=True,
 )
+
+
+class _OrbaxTasks(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" for orbax's own read tasks:
+    a failed restore raises once, with the reason; its sibling reads that failed too are
+    not news (one such block per tensor filled a producer's log)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("never retrieved" in message and "orbax" in message)
+
+
+logging.getLogger("asyncio").addFilter(_OrbaxTasks())
 
 
 @_io_retry

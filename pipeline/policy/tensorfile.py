@@ -115,6 +115,16 @@ def read_header(path: Path) -> Header:
     return Header(path, data_start, tensors, {str(k): str(v) for k, v in metadata.items()})
 
 
+def all_finite(header: Header, name: str, chunk: int = 1 << 24) -> bool:
+    """Whether tensor ``name`` holds no NaN or infinity (read in chunks of ``chunk``
+    items, so that a large tensor never needs a second copy in memory)."""
+    flat = tensor(header, name).reshape(-1)
+    return all(
+        bool(np.isfinite(flat[i : i + chunk].astype(np.float32)).all())
+        for i in range(0, flat.shape[0], chunk)
+    )
+
+
 def tensor(header: Header, name: str) -> np.ndarray:
     """Tensor ``name`` of a checked file, memory-mapped (read only)."""
     info = header.tensors[name]

@@ -327,6 +327,15 @@ def test_announced_adapters_are_applied_on_a_base_loaded_once(
     publish(4, digest(base))
     wait_for(lambda: producer.version == 4)
     assert producer.weights._base is loaded_base  # the base was not read again
+    # the cached base's digest does not vouch for a base URI the roots refuse
+    path = save_adapters(
+        tmp_path / "v5", adapters_of(5), 5, CFG, lora, Path(f"{base}\x00x"), digest(base)
+    )
+    record = announcement(5, 5, path, CFG, TOKENIZER_ID, "trainer")
+    record["format"] = "orbax-lora"
+    announce(p, namespace, record)
+    wait_for(lambda: producer.weights.refused["uri"] == 1)  # type: ignore[union-attr]
+    assert producer.version == 4
     sent_at_swap = producer.writer.sent
     wait_for(lambda: producer.writer.sent >= sent_at_swap + 8, 60)
     producer.stop()

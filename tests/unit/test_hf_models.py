@@ -473,3 +473,21 @@ def test_episodes_append_turns_without_rendering(checkpoints: dict[str, Path]) -
     whole = [{"role": "user", "content": "hello"}]
     assert opening == tok.encode(tok.render(whole))
     assert tool[-1] in tok.stop_tokens or tok.decode(tool, specials=True).endswith("<|eot_id|>")
+
+
+def test_model_inspect_reads_every_tensor_and_refuses_non_finite_weights(
+    checkpoints: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pipeline.cli.main import main
+
+    src = checkpoints["qwen3"]
+    assert main(["model", "inspect", str(src)]) == 0
+    d = _hostile_copy(src, tmp_path / "nan")
+    tensors = load_file(str(src / "model.safetensors"))
+    bad = np.array(tensors["model.norm.weight"])
+    bad[1] = np.inf
+    tensorfile.write(d / "model.safetensors", {**tensors, "model.norm.weight": bad})
+    capsys.readouterr()
+    assert main(["model", "inspect", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert "1 tensors of" in err and "hold NaN or infinity: model.norm.weight" in err
