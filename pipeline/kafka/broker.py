@@ -14,6 +14,7 @@ Node ``i`` listens for clients on ``port + 2 i`` and for the controller quorum o
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import logging
 import os
@@ -35,6 +36,7 @@ from pipeline.kafka.local_service import (
     port_free,
     reap,
     send_signal,
+    stop_with_parent,
     tail,
     terminate,
 )
@@ -149,6 +151,7 @@ class LocalBroker(LocalService):
     def __init__(self, config: BrokerConfig | None = None) -> None:
         self.config = config or BrokerConfig()
         super().__init__(self.config.data_dir, STATE_FILE)
+        self._stop_with_parent = False
 
     # ---- state ---------------------------------------------------------------------
 
@@ -162,10 +165,13 @@ class LocalBroker(LocalService):
 
     # ---- start -----------------------------------------------------------------------
 
-    def start(self) -> dict[str, Any]:
+    def start(self, stop_with_parent: bool = False) -> dict[str, Any]:
         """Start every node (formatting storage first if new) and wait until the cluster
         answers metadata requests with all nodes. Idempotent: a running broker is left
-        as it is."""
+        as it is. With ``stop_with_parent`` (a broker that ``rlstream run`` started for
+        itself) the nodes get SIGTERM when this process dies, even by SIGKILL; without
+        it (``rlstream broker start``) they outlive the command that started them."""
+        self._stop_with_parent = stop_with_parent
         state = self.state()
         if state and self.running():
             log.info("broker already running bootstrap=%s", state["bootstrap"])
@@ -325,6 +331,9 @@ class LocalBroker(LocalService):
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            preexec_fn=functools.partial(stop_with_parent, os.getpid())
+            if self._stop_with_parent
+            else None,
         )
         out.close()
         cfg = self.config

@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,19 @@ class LocalService:
         if not state:
             return False
         return all(alive(p) for p in self.pids(state))
+
+
+def stop_with_parent(parent: int) -> None:
+    """In a child process before exec (``preexec_fn``): on Linux, get SIGTERM when the
+    process that started it dies, even by SIGKILL, so that it does not outlive it; a
+    parent that died before this ran (the signal would never come) ends the child."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+        if os.getppid() != parent:
+            os._exit(1)
 
 
 def port_free(host: str, port: int) -> bool:

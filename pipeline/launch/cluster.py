@@ -40,7 +40,7 @@ class Cluster:
         self.broker = LocalBroker(BrokerConfig(data_dir=self.data_dir, port=self.port))
         if not self.broker.running():
             print(f"starting local Kafka broker in {self.broker.data_dir} ...", flush=True)
-            self.broker.start()
+            self.broker.start(stop_with_parent=True)  # not left behind if the run is killed
             self.started = True
         return checked(dataclasses.replace(self.kafka, bootstrap=self.broker.bootstrap))
 

@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.kafka.local_service import stop_with_parent
+
 log = logging.getLogger(__name__)
 
 
@@ -50,7 +52,7 @@ class Child:
                 stdin=subprocess.DEVNULL,
                 env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
                 start_new_session=True,
-                preexec_fn=functools.partial(_stop_with_parent, os.getpid()),
+                preexec_fn=functools.partial(stop_with_parent, os.getpid()),
             )
         self.started_at = time.monotonic()
         self.returncode = None
@@ -81,19 +83,6 @@ class Child:
         except OSError:
             return ""
         return "\n".join(text.rstrip().splitlines()[-lines:])
-
-
-def _stop_with_parent(parent: int) -> None:
-    """In the child before exec: on Linux, get SIGTERM when the supervisor dies, even by
-    SIGKILL, so that no child outlives it; a supervisor that died before this ran (the
-    signal would never come) ends the child at once."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-        if os.getppid() != parent:
-            os._exit(1)
 
 
 class Supervisor:

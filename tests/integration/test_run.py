@@ -420,3 +420,29 @@ def test_children_stop_when_the_run_itself_is_killed(bootstrap: str, tmp_path: P
         proc.kill()
         proc.communicate(timeout=30)
     wait_for(lambda: processes_of(run_dir) == [], 90, "the children to stop")
+
+
+def test_a_killed_run_leaves_not_even_its_own_broker(tmp_path: Path) -> None:
+    """A run without ``--bootstrap`` starts a local broker for itself; SIGKILLed, it left
+    that broker running (reparented to init): now the broker's nodes get SIGTERM with
+    the trainer and the producers."""
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "RLSTREAM_BOOTSTRAP"}
+    proc = subprocess.Popen(
+        [
+            *run_command("", run_dir, *SHORT, "--steps=1000", "--eval-episodes=0"),
+            f"--data-dir={tmp_path / 'broker'}",
+            f"--port={free_port_pair(2)}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=ROOT,
+        env=env,
+    )
+    try:
+        wait_for((run_dir / "producers" / "producer-0.jsonl").exists, 300, "the producer")
+        assert len(processes_of(tmp_path)) >= 4  # run, broker, trainer, producer
+    finally:
+        proc.kill()
+        proc.wait(30)
+    wait_for(lambda: processes_of(tmp_path) == [], 90, "the broker and the children to stop")
