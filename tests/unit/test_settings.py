@@ -269,3 +269,51 @@ def test_the_trainer_takes_log_probabilities_at_the_producers_temperature() -> N
     assert run.eval_temperature == 1.0
     with pytest.raises(InvalidConfigError, match="eval_temperature must be a finite number"):
         RunConfig(eval_temperature=-1.0)
+
+
+def _laughs() -> str:
+    """A billion-laughs YAML of a few hundred bytes: 9**9 strings once expanded."""
+    lines = ['a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    for prev, name in zip("abcdefgh", "bcdefghi", strict=True):
+        lines.append(f"{name}: &{name} [{', '.join([f'*{prev}'] * 9)}]")
+    return "\n".join([*lines, "env: guess", "env_options:", "  x: *i"]) + "\n"
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("laughs.yaml", _laughs(), r"a YAML alias at line 2: rlstream does not expand aliases"),
+        ("inf.yaml", "env_options:\n  high: .inf\n", r"env_options\.high: inf is not a finite"),
+        (
+            "inf.json",
+            '{"env_options": {"high": Infinity}}',
+            "env_options.high: inf is not a finite",
+        ),
+        ("seed.yaml", f"seed: {10**30}\n", r"seed: 10{30} does not fit a 64-bit integer"),
+        ("lr.yaml", "grpo:\n  learning_rate: " + "9" * 400 + "\n", "does not fit a 64-bit"),
+        ("big.json", None, "larger than 1024 KiB"),
+        ("zero.yaml", "/dev/zero", "is not a regular file"),
+        ("deep.json", "[" * 50 + "]" * 50, "expected an object"),
+        ("nested.json", '{"env_options": ' + '{"a": ' * 150 + "1" + "}" * 151, "nested more than"),
+    ],
+)
+def test_hostile_config_files_are_refused_in_one_sentence(
+    name: str, content: str | None, message: str, tmp_path: Path
+) -> None:
+    import resource
+    import time
+
+    path = tmp_path / name
+    if content is None:  # 2 GB, sparse
+        with path.open("wb") as f:
+            f.truncate(2 << 30)
+    elif content == "/dev/zero":
+        path.symlink_to("/dev/zero")
+    else:
+        path.write_text(content)
+    start, before = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(InvalidConfigError, match=message) as refused:
+        resolve(RunConfig, {}, file=path)
+    assert time.monotonic() - start < 2
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 300 << 10  # KiB
+    assert len(str(refused.value)) < 500
