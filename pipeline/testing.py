@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -84,6 +84,22 @@ def make_trajectory(
         timings=Timings(now - 1000, now, 0.5, 0.5),
         metadata={"source": "synthetic"},
     )
+
+
+def group_member(group_id: str, index: int, rng: np.random.Generator, **kw: Any) -> Trajectory:
+    """Member ``index`` of a GRPO group of four ``math`` trajectories of 40 tokens in two
+    turns, written with the built-in byte tokenizer (``kw`` overrides any of it)."""
+    fields: dict[str, Any] = dict(
+        rng=rng,
+        env="math",
+        group_id=group_id,
+        group_size=4,
+        group_index=index,
+        turns=2,
+        tokenizer_id=ByteTokenizer.id,
+    )
+    fields.update(kw)
+    return make_trajectory(fields.pop("num_tokens", 40), **fields)
 
 
 def _spans(mask: np.ndarray, versions: tuple[int, ...]) -> tuple[VersionSpan, ...]:

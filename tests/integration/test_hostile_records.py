@@ -21,11 +21,10 @@ from pipeline.kafka.client import MAX_MESSAGE_BYTES, KafkaConfig
 from pipeline.kafka.topics import deadletter_topic, ensure_topics, namespace_topics, rollout_topic
 from pipeline.policy.checkpoint import restore_params
 from pipeline.policy.model import all_finite
-from pipeline.policy.tokenizer import TOKENIZER_ID
 from pipeline.records.codec import HEADER_SIZE, AvroCodec, TrajectoryCodec, to_avro_dict
 from pipeline.records.ledger import read_ledger
 from pipeline.records.trajectory import Trajectory
-from pipeline.testing import make_trajectory
+from pipeline.testing import group_member
 from pipeline.train.config import GRPOConfig
 from pipeline.train.intake import DEADLETTER_PREFIX
 from pipeline.train.trainer import Trainer
@@ -37,18 +36,7 @@ CODEC = TrajectoryCodec()
 
 
 def member(gid: str, index: int, rng: np.random.Generator, **kw: Any) -> Trajectory:
-    base: dict[str, Any] = dict(
-        rng=rng,
-        env="math",
-        group_id=gid,
-        group_size=4,
-        group_index=index,
-        turns=2,
-        reward=float(index % 2),
-        tokenizer_id=TOKENIZER_ID,
-    )
-    base.update(kw)
-    return make_trajectory(40, **base)
+    return group_member(gid, index, rng, **{"reward": float(index % 2), **kw})
 
 
 def raw(t: Trajectory, change: Callable[[dict[str, Any]], None]) -> bytes:

@@ -37,7 +37,7 @@ from pipeline.policy.tokenizer import TOKENIZER_ID
 from pipeline.records.codec import AvroCodec
 from pipeline.records.ledger import durable_ledger, outcomes, read_ledger
 from pipeline.records.trajectory import META_TEMPERATURE
-from pipeline.testing import make_trajectory
+from pipeline.testing import group_member, make_trajectory
 from pipeline.train.config import GRPOConfig, TrainerConfig
 from pipeline.train.trainer import Trainer
 from tests.integration.faults import guess_producer, guess_trainer
@@ -72,18 +72,7 @@ def produce_groups(
     for g in range(groups):
         gid = f"g{seed}-{g}-{version}"
         for i in range(4):
-            t = make_trajectory(
-                40,
-                rng=rng,
-                env="math",
-                group_id=gid,
-                group_size=4,
-                group_index=i,
-                versions=(version,),
-                turns=2,
-                reward=float(rng.random() < 0.5),
-                tokenizer_id=TOKENIZER_ID,
-            )
+            t = group_member(gid, i, rng, versions=(version,), reward=float(rng.random() < 0.5))
             writer.write(t)
             ids.append(t.trajectory_id)
     writer.flush()

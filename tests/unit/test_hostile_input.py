@@ -28,7 +28,7 @@ from pipeline.policy.tokenizer import ByteTokenizer
 from pipeline.records.codec import TrajectoryCodec, to_avro_dict
 from pipeline.rollout.config import EpisodeLimits
 from pipeline.rollout.episode import GroupSlot, run_episode
-from pipeline.testing import ScriptedPolicy, make_trajectory
+from pipeline.testing import ScriptedPolicy, group_member, make_trajectory
 from pipeline.train.config import GRPOConfig
 from pipeline.train.contract import RecordContract
 from pipeline.train.grpo import Batch, init_state, make_train_step
@@ -250,16 +250,7 @@ def test_a_refused_member_releases_its_group_at_once(tmp_path: Path) -> None:
     offset = iter(range(100))
 
     def send(gid: str, index: int, value: bytes | None = None) -> None:
-        t = make_trajectory(
-            40,
-            rng=rng,
-            env="math",
-            group_id=gid,
-            group_size=4,
-            group_index=index,
-            turns=2,
-            tokenizer_id=TOK.id,
-        )
+        t = group_member(gid, index, rng)
         o = next(offset)
         data = CODEC.encode(t) if value is None else value
         trainer._intake(Record("ns.rollouts.math", 0, o, 0, gid.encode(), data))
