@@ -110,9 +110,7 @@ class _Guarded(asyncio.Protocol):
         self.inner.connection_lost(exc)
 
 
-async def listen(
-    runner: Any, guard: ConnectionGuard, address: str, port: int
-) -> asyncio.Server:
+async def listen(runner: Any, guard: ConnectionGuard, address: str, port: int) -> asyncio.Server:
     """A listening socket on ``address:port`` serving ``runner`` (an aiohttp runner
     already set up) through ``guard``."""
     loop = asyncio.get_running_loop()

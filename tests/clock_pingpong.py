@@ -14,14 +14,15 @@ import sys
 import time
 
 from pipeline.kafka.client import KafkaConfig
-from pipeline.observe.telemetry import Tracer, install, span
+from pipeline.observe.shipping import kafka_tracer
+from pipeline.observe.telemetry import install, span
 
 
 def main() -> None:
     name, namespace, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
     first = "--first" in sys.argv
     tracer = install(
-        Tracer(name, KafkaConfig(bootstrap=os.environ["RLSTREAM_BOOTSTRAP"]), namespace)
+        kafka_tracer(name, KafkaConfig(bootstrap=os.environ["RLSTREAM_BOOTSTRAP"]), namespace)
     )
     for i in range(rounds):
         if i > 0 or not first:

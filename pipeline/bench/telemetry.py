@@ -27,6 +27,7 @@ from typing import Any
 
 from pipeline.kafka.client import KafkaConfig
 from pipeline.launch.cluster import Cluster
+from pipeline.observe.shipping import kafka_tracer
 from pipeline.observe.telemetry import NullTracer, Tracer, install, span
 from pipeline.rollout.config import AdmissionConfig, EpisodeLimits, ProducerConfig
 from pipeline.rollout.producer import RolloutProducer
@@ -77,7 +78,7 @@ def measure(kafka: KafkaConfig, seconds: float, pairs: int, concurrency: int) ->
         admission=AdmissionConfig(max_staleness=-1),
     )
     producer = RolloutProducer(cfg, kafka)
-    tracer = Tracer("bench-producer", kafka, ns)
+    tracer = kafka_tracer("bench-producer", kafka, ns)
     th = threading.Thread(target=producer.run, daemon=True)
     th.start()
 

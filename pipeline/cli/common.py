@@ -215,11 +215,12 @@ def start_telemetry(
 ) -> Any:
     """This process's tracer, shipping spans to ``<ns>.telemetry`` unless --no-telemetry
     (or there is no Kafka, e.g. training from a file)."""
-    from pipeline.observe.telemetry import NullTracer, Tracer, install
+    from pipeline.observe.shipping import kafka_tracer
+    from pipeline.observe.telemetry import NullTracer, install
 
     if getattr(args, "no_telemetry", False) or kafka is None:
         return NullTracer()
-    return install(Tracer(process, kafka, namespace))
+    return install(kafka_tracer(process, kafka, namespace))
 
 
 def run_process(

@@ -32,7 +32,8 @@ from pipeline.launch import report
 from pipeline.launch.config import RunConfig
 from pipeline.launch.supervisor import Child, Supervisor
 from pipeline.observe.report import last_json, mean_over_envs
-from pipeline.observe.telemetry import NullTracer, Tracer, install, span
+from pipeline.observe.shipping import kafka_tracer
+from pipeline.observe.telemetry import NullTracer, install, span
 from pipeline.observe.tensorboard import ScalarWriter
 from pipeline.records.schema_store import default_store
 from pipeline.settings import to_mapping, write_file
@@ -175,7 +176,7 @@ class Run:
             ),
         )
         # the run's own spans (its evaluations) go on the timeline with the children's
-        tracing = install(Tracer("run", self.kafka, self.namespace))
+        tracing = install(kafka_tracer("run", self.kafka, self.namespace))
         try:
             status, failure, evals, run_s = self._run_children()
         finally:

@@ -22,8 +22,6 @@ from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from pipeline.kafka.client import KafkaConfig
-from pipeline.kafka.topics import telemetry_topic
 from pipeline.records.codec import AvroCodec
 
 log = logging.getLogger(__name__)
@@ -32,15 +30,17 @@ SpanTuple = tuple[str, int, int, str, Mapping[str, Any]]
 
 
 class Tracer:
-    """Records spans and metrics of ``process``; with ``kafka`` and ``namespace`` a flush
-    thread (:meth:`start`) ships them to ``<ns>.telemetry``, without them they are only
-    kept for :meth:`take`."""
+    """Records spans and metrics of ``process``; with a Kafka ``producer`` and the
+    ``topic`` to ship to (``<ns>.telemetry``: :func:`pipeline.observe.shipping.kafka_tracer`
+    makes such a tracer) a flush thread (:meth:`start`) ships them, without one they are
+    only kept for :meth:`take`. This module imports nothing of Kafka: every layer may
+    instrument itself."""
 
     def __init__(
         self,
         process: str,
-        kafka: KafkaConfig | None = None,
-        namespace: str | None = None,
+        producer: Any = None,
+        topic: str = "",
         *,
         flush_s: float = 1.0,
         max_pending: int = 200_000,
@@ -55,13 +55,9 @@ class Tracer:
         self.spans_sent = 0
         self.flush_cpu_s = 0.0  # CPU time of the flushes (encoding, producing)
         self.codec = AvroCodec("Telemetry")
-        self._producer: Any = None
-        self._topic = ""
-        self._framing: bytes | None = None
-        if kafka is not None and namespace is not None:
-            self._producer = kafka.producer()
-            self._topic = telemetry_topic(namespace)
-            self._framing = self.codec.framing_for(self._topic)
+        self._producer: Any = producer
+        self._topic = topic
+        self._framing = self.codec.framing_for(topic) if producer is not None else None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # one flush at a time
