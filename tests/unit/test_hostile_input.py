@@ -102,21 +102,15 @@ def test_the_training_contract_refuses_each_kind_with_its_reason() -> None:
 
 
 def test_a_record_whose_log_probabilities_were_taken_at_another_temperature_is_refused() -> None:
+    from pipeline.kafka.message import Record
     from pipeline.records.trajectory import META_TEMPERATURE
     from pipeline.train.intake import RecordJudge
 
-    class Message:  # what the judge reads of a Kafka message
-        def __init__(self, temperature: str | None) -> None:
-            t = make_trajectory(40, turns=2, tokenizer_id=TOK.id)
-            if temperature is not None:
-                t.metadata = {**t.metadata, META_TEMPERATURE: temperature}
-            self._value = CODEC.encode(t)
-
-        def headers(self) -> None:
-            return None
-
-        def value(self) -> bytes:
-            return self._value
+    def Message(temperature: str | None) -> Record:
+        t = make_trajectory(40, turns=2, tokenizer_id=TOK.id)
+        if temperature is not None:
+            t.metadata = {**t.metadata, META_TEMPERATURE: temperature}
+        return Record("ns.rollouts.math", 0, 0, 0, b"g", CODEC.encode(t))
 
     judge = RecordJudge(RecordContract(vocab_size=272), TOK.id, 1 << 20, temperature=0.7)
 
