@@ -7,14 +7,20 @@ figures suffixed ``_32_turns``):
   with validation on both ends), in C where the extension is built (figure ``native``);
 - ``rlstream_python``: the same codec and contract in their Python reference;
 - ``pickle``: ``pickle.dumps(protocol=5)`` and ``pickle.loads`` of the same object;
+- ``fastavro_same_schema``: what a user of fastavro would write for rlstream's own
+  Trajectory schema (arrays as Tensor bytes): ``schemaless_writer`` of the record's plain
+  Avro value and ``schemaless_reader`` back, each Tensor turned into a numpy view. It
+  checks nothing (rlstream checks the record's contract on both ends): the headline ratio,
+  ``vs_fastavro_same_schema``, is measured against the competitor a user would pick;
 - ``avro_arrays``: fastavro with the arrays as Avro arrays of numbers (the usual way to
-  put numbers in Avro), converted from and back to numpy.
+  put numbers in Avro), converted from and back to numpy: a schema choice, not a codec.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import json
 import pickle
 from collections.abc import Callable
 from typing import Any
@@ -42,8 +48,6 @@ ARRAY_FIELDS = {
 
 def avro_arrays_schema() -> Any:
     """The Trajectory schema with Tensor fields replaced by Avro arrays of numbers."""
-    import json
-
     schema = json.loads(default_store().reader("Trajectory").canonical_form)
     fields = []
     for f in schema["fields"]:
@@ -74,9 +78,23 @@ def _contenders(t: Trajectory) -> tuple[dict[str, Callable[[], object]], dict[st
         for name, (_, dtype) in ARRAY_FIELDS.items():
             back[name] = np.asarray(back[name], dtype=dtype)
 
+    same = parse_schema(json.loads(default_store().reader("Trajectory").canonical_form))
+
+    def fastavro_same_schema() -> None:
+        buf = io.BytesIO()
+        schemaless_writer(buf, same, to_avro_dict(t))
+        buf.seek(0)
+        back: Any = schemaless_reader(buf, same, None)
+        for name, (_, dtype) in ARRAY_FIELDS.items():
+            back[name] = np.frombuffer(back[name]["data"], dtype)
+
+    buf = io.BytesIO()
+    schemaless_writer(buf, same, to_avro_dict(t))
+    same_bytes = len(buf.getvalue())
     buf = io.BytesIO()
     schemaless_writer(buf, schema, as_arrays())
     sizes = {
+        "fastavro_same_schema": same_bytes,
         "rlstream": len(codec.encode(t)),
         "rlstream_python": len(python.encode(t)),
         "pickle": len(pickle.dumps(t, protocol=5)),
@@ -86,6 +104,7 @@ def _contenders(t: Trajectory) -> tuple[dict[str, Callable[[], object]], dict[st
         "rlstream": lambda: codec.decode(codec.encode(t)),
         "rlstream_python": lambda: python.decode(python.encode(t)),
         "pickle": lambda: pickle.loads(pickle.dumps(t, protocol=5)),
+        "fastavro_same_schema": fastavro_same_schema,
         "avro_arrays": avro_arrays,
     }
     return contenders, sizes
@@ -105,6 +124,7 @@ def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
             figures[f"{name}_records_per_s{suffix}"] = r[name]
             figures[f"{name}_bytes{suffix}"] = sizes[name]
         figures[f"rlstream_us_per_record{suffix}"] = 1e6 / r["rlstream"]
+        ratios[f"vs_fastavro_same_schema{suffix}"] = r["rlstream"] / r["fastavro_same_schema"]
         ratios[f"vs_pickle{suffix}"] = r["rlstream"] / r["pickle"]
         ratios[f"vs_avro_arrays{suffix}"] = r["rlstream"] / r["avro_arrays"]
         ratios[f"vs_python{suffix}"] = r["rlstream"] / r["rlstream_python"]
@@ -112,5 +132,9 @@ def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
         "bench": "codec",
         "figures": figures,
         "ratios": ratios,
-        "goals": {"vs_pickle": ">= 1.5", "vs_avro_arrays": ">= 100"},
+        "goals": {
+            "vs_fastavro_same_schema": ">= 1.5",
+            "vs_pickle": ">= 1.5",
+            "vs_avro_arrays": ">= 100",
+        },
     }

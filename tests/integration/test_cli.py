@@ -112,9 +112,11 @@ def test_bench_codec_prints_ratios() -> None:
     out = last_json(result.stdout)
     assert out["bench"] == "codec"
     assert set(out["ratios"]) == {
+        "vs_fastavro_same_schema",
         "vs_pickle",
         "vs_avro_arrays",
         "vs_python",
+        "vs_fastavro_same_schema_32_turns",
         "vs_pickle_32_turns",
         "vs_avro_arrays_32_turns",
         "vs_python_32_turns",
