@@ -19,6 +19,7 @@ counted.
 
 from __future__ import annotations
 
+import functools
 import logging
 import tempfile
 import threading
@@ -74,6 +75,12 @@ def announcement(
     }
 
 
+@functools.cache
+def _announcements() -> AvroCodec:
+    """The codec of announcements, one per process (it remembers the registry's answers)."""
+    return AvroCodec("WeightsAnnouncement")
+
+
 def announce(
     producer: confluent_kafka.Producer,
     namespace: str,
@@ -82,7 +89,7 @@ def announce(
 ) -> None:
     """Send one announcement and wait until the broker has it."""
     topic = weights_topic(namespace)
-    codec = AvroCodec("WeightsAnnouncement")
+    codec = _announcements()
     producer.produce(topic, codec.encode(record, codec.framing_for(topic)), KEY)
     if producer.flush(timeout):
         raise TimeoutError("weights announcement not acknowledged")

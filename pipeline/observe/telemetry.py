@@ -57,7 +57,6 @@ class Tracer:
         self.codec = AvroCodec("Telemetry")
         self._producer: Any = producer
         self._topic = topic
-        self._framing = self.codec.framing_for(topic) if producer is not None else None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # one flush at a time
@@ -155,7 +154,9 @@ class Tracer:
                 }
             )
         self._producer.produce(
-            self._topic, self.codec.encode(datum, self._framing), self.process.encode()
+            self._topic,
+            self.codec.encode(datum, self.codec.framing_for(self._topic)),
+            self.process.encode(),
         )
         self._producer.poll(0)
         self.sent += 1

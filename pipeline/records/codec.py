@@ -22,6 +22,8 @@ checked against the bytes that are actually there.
 from __future__ import annotations
 
 import io
+import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -50,6 +52,8 @@ __all__ = [
     "TrajectoryHeaders",
     "to_avro_dict",
 ]
+
+log = logging.getLogger(__name__)
 
 MARKER = b"\xc3\x01"
 HEADER_SIZE = len(MARKER) + 8
@@ -84,6 +88,8 @@ class AvroCodec:
         # only records written with another schema version need them
         self._plain: dict[bytes, CompiledSchema] = {}
         self._prefix = MARKER + self.schema.fingerprint
+        #: topic -> (its framing, or None until the time to try registering again)
+        self._framings: dict[str, tuple[bytes | None, float]] = {}
 
     @property
     def fingerprint(self) -> bytes:
@@ -98,11 +104,31 @@ class AvroCodec:
         """The framing of this record type's values on ``topic``: with a schema registry
         (``--schema-registry``), the schema is registered under ``<topic>-value`` and
         values carry its id (Confluent's wire format); without one, None (single-object
-        encoding). Raises :class:`RegistryError` when the registry refuses the schema."""
+        encoding). A registry that does not answer, or refuses the schema, never stops
+        the writer: its values go out single-object encoded (every rlstream reader takes
+        both framings), the failure is logged, and registering is tried again after
+        ``DOWN_S`` seconds."""
         registry_ = self._store.registry
         if registry_ is None:
             return None
-        return registry.framing(registry_.register(f"{topic}-value", self.schema.text))
+        now = time.monotonic()
+        cached = self._framings.get(topic)
+        if cached is not None and (cached[0] is not None or now < cached[1]):
+            return cached[0]
+        try:
+            framing = registry.framing(registry_.register(f"{topic}-value", self.schema.text))
+        except registry.RegistryError as e:
+            log.warning(
+                "records to %s written single-object encoded until the schema registry "
+                "takes their schema (tried again in %.0f s): %s",
+                topic,
+                registry.DOWN_S,
+                str(e)[:300],
+            )
+            self._framings[topic] = (None, now + registry.DOWN_S)
+            return None
+        self._framings[topic] = (framing, 0.0)
+        return framing
 
     def encode(self, datum: Any, framing: bytes | None = None) -> bytes:
         """The record in single-object encoding, or after ``framing`` (the Confluent

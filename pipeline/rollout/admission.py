@@ -141,7 +141,6 @@ class Heartbeats:
         self.producer_id = producer_id
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self.codec = AvroCodec("ProducerHeartbeat")
-        self._framing = self.codec.framing_for(self.topic)  # (registered now, at start)
         self.producer = kafka.producer(**{"linger.ms": 0})
         self.consumer = kafka.consumer(
             None, **{"enable.partition.eof": True, "fetch.wait.max.ms": 50}
@@ -170,7 +169,9 @@ class Heartbeats:
             "sent_at_ms": int(time.time() * 1000),
         }
         self.producer.produce(
-            self.topic, self.codec.encode(record, self._framing), self.producer_id.encode()
+            self.topic,
+            self.codec.encode(record, self.codec.framing_for(self.topic)),
+            self.producer_id.encode(),
         )
         self.producer.poll(0)
         if self._first_beat is None:

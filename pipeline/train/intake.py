@@ -126,7 +126,6 @@ class DeadLetters:
         self.topic = deadletter_topic(namespace)
         self.component = component
         self.codec = AvroCodec("DeadLetter")
-        self._framing = self.codec.framing_for(self.topic) if producer is not None else None
         self.count = 0  # records refused
         self.failures = 0  # letters the client refused or Kafka did not take
 
@@ -157,7 +156,7 @@ class DeadLetters:
             "time_ms": int(time.time() * 1000),
         }
         try:
-            data = self.codec.encode(record, self._framing)
+            data = self.codec.encode(record, self.codec.framing_for(self.topic))
             while True:
                 try:
                     self.producer.produce(self.topic, data, key, on_delivery=self._delivered)

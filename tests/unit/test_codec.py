@@ -419,3 +419,25 @@ def test_a_registry_that_answers_garbage_for_an_id_gives_it_up_after_bounded_tri
                 store.writer_by_id(10)
     finally:
         server.shutdown()
+
+
+def test_a_registry_that_is_down_never_stops_a_writer_of_internal_records() -> None:
+    """Announcements, heartbeats, telemetry and dead letters are framed for the registry
+    when it takes their schema; while it does not answer they go out single-object
+    encoded (every reader takes both), and registering is tried again later, not at
+    every record."""
+    import time
+
+    from pipeline.records.codec import AvroCodec
+    from pipeline.records.registry import RegistryConfig, SchemaRegistry
+    from pipeline.records.schema_store import SchemaStore
+
+    store = SchemaStore()
+    store.registry = SchemaRegistry(RegistryConfig("http://127.0.0.1:9"))  # nothing there
+    codec = AvroCodec("Telemetry", store)
+    assert codec.framing_for("ns.telemetry") is None
+    asked = store.registry.requests
+    start = time.monotonic()
+    for _ in range(100):
+        assert codec.framing_for("ns.telemetry") is None
+    assert store.registry.requests == asked and time.monotonic() - start < 0.5
