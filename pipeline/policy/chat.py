@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 from tokenizers import Tokenizer
 
 from pipeline.errors import InvalidConfigError
-from pipeline.policy.hf_format import MAX_TOKENIZER_BYTES, load_json
+from pipeline.policy.hf_format import load_json, load_tokenizer
 from pipeline.policy.template import Conversation, render_bounded
 
 _PROBE_USER, _PROBE_REPLY = "U", "X"
@@ -82,15 +82,7 @@ class ChatTokenizer:
         tj = directory / "tokenizer.json"
         if not tj.is_file():
             raise InvalidConfigError(f"{directory} has no tokenizer.json")
-        if tj.stat().st_size > MAX_TOKENIZER_BYTES:
-            raise InvalidConfigError(
-                f"{tj} is {tj.stat().st_size} bytes, more than the "
-                f"{MAX_TOKENIZER_BYTES >> 20} MB a tokenizer may take"
-            )
-        try:
-            tokenizer = Tokenizer.from_file(str(tj))
-        except Exception as e:  # the library raises its own exception types
-            raise InvalidConfigError(f"{tj} is not a tokenizer: {str(e)[:200]}") from None
+        tokenizer = load_tokenizer(tj)
         cfg_file = directory / "tokenizer_config.json"
         config = load_json(cfg_file, "tokenizer configuration") if cfg_file.is_file() else {}
         template = config.get("chat_template")

@@ -11,6 +11,7 @@ weight is read. :mod:`pipeline.policy.hf_config` writes the reverse, for
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Iterable
@@ -72,25 +73,39 @@ def read_model_fields(directory: Path, max_len: int = DEFAULT_MAX_LEN) -> dict[s
 MAX_TOKENIZER_BYTES = 64 << 20
 
 
+def load_tokenizer(path: Path) -> Any:
+    """The ``tokenizers.Tokenizer`` in the file ``path`` (InvalidConfigError for one that
+    is too large or is no tokenizer), read once per content: the configuration and the
+    chat tokenizer of a process both ask for it."""
+    try:
+        stat = path.stat()
+    except OSError as e:
+        raise InvalidConfigError(f"{path} cannot be read: {e.strerror}") from None
+    if stat.st_size > MAX_TOKENIZER_BYTES:
+        raise InvalidConfigError(
+            f"{path} is {stat.st_size} bytes, more than the {MAX_TOKENIZER_BYTES >> 20} MB a "
+            "tokenizer may take"
+        )
+    return _load_tokenizer(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tokenizer(path: str, size: int, mtime_ns: int) -> Any:
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # the library raises its own exception types
+        raise InvalidConfigError(f"{path} is not a tokenizer: {str(e)[:200]}") from None
+
+
 def tokenizer_vocab_size(directory: Path) -> int | None:
     """The ids ``tokenizer.json`` of ``directory`` can emit (added tokens included), or
     None when it has none (loading the tokenizer then says why)."""
     path = directory / "tokenizer.json"
-    try:
-        size = path.stat().st_size
-    except OSError:
+    if not path.is_file():
         return None
-    if size > MAX_TOKENIZER_BYTES:
-        raise InvalidConfigError(
-            f"{path} is {size} bytes, more than the {MAX_TOKENIZER_BYTES >> 20} MB a "
-            "tokenizer may take"
-        )
-    from tokenizers import Tokenizer
-
-    try:
-        return int(Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True))
-    except Exception as e:  # the library raises its own exception types
-        raise InvalidConfigError(f"{path} is not a tokenizer: {str(e)[:200]}") from None
+    return int(load_tokenizer(path).get_vocab_size(with_added_tokens=True))
 
 
 def _layers_in_weights(directory: Path) -> int | None:
