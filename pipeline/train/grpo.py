@@ -187,6 +187,69 @@ def _sequence_log_ratio(log_ratio: jax.Array, logp: jax.Array, b: Batch, n: int)
     return jax.lax.stop_gradient(seq) + logp - jax.lax.stop_gradient(logp)
 
 
+def policy_loss(
+    cfg: GRPOConfig,
+    logp: jax.Array,
+    prox: jax.Array,
+    mb: Batch,
+    ref: jax.Array | None,
+    denom: jax.Array,
+    n: int,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The policy's loss of a (minibatch in per-token form, :meth:`Batch.per_token`) from
+    the current log-probabilities ``logp`` of its tokens, the proximal policy's ``prox``
+    (no gradient) and the behaviour policy's (``mb.behaviour``); ``ref``, the reference
+    policy's for the KL term (None: none). Its gradient reaches the parameters through
+    ``logp`` alone. Returns the loss and its metrics (the minibatch's share of them)."""
+    mask, adv = mb.mask, mb.advantage
+    anchor = mb.behaviour if cfg.correction == "tis" else prox
+    log_ratio = logp - anchor
+    if cfg.ratio == "sequence":
+        log_ratio = _sequence_log_ratio(log_ratio, logp, mb, n)
+    # log-ratios are capped before exp: past the cap both branches of the clipped
+    # objective are constant, so the cap changes no value or gradient, but an extreme
+    # behaviour log-probability can no longer make inf (and inf * 0 = NaN gradients)
+    ratio = jnp.exp(jnp.minimum(log_ratio, _MAX_LOG_RATIO))
+    if cfg.correction == "decoupled":
+        weight = jnp.exp(jnp.minimum(prox - mb.behaviour, jnp.log(cfg.is_cap)))
+        unclipped = ratio * adv
+    elif cfg.correction == "none":
+        weight = jnp.ones_like(ratio)
+        unclipped = ratio * adv
+    else:  # tis: the clipped ratio against the behaviour policy, truncated
+        weight = jnp.ones_like(ratio)
+        unclipped = jnp.minimum(ratio, cfg.is_cap) * adv
+    clipped = jnp.clip(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high) * adv
+    per_token = -weight * jnp.minimum(unclipped, clipped)
+    # the minibatch's policy tokens: a micro-batch's metrics are its share of them
+    tokens = jnp.maximum(denom[0], 1.0)
+    metrics = {}
+    if ref is not None:
+        if cfg.kl_estimator == "k1":
+            kl_ref = logp - ref
+        else:  # k3: unbiased and never negative
+            kl_ref = jnp.exp(ref - logp) - (ref - logp) - 1.0
+        per_token = per_token + cfg.kl_coef * kl_ref
+        metrics["kl_ref"] = jnp.sum(kl_ref * mask) / tokens
+    is_w = jnp.exp(jnp.minimum(prox - mb.behaviour, _MAX_LOG_RATIO))
+    metrics |= {
+        "clip_fraction": jnp.sum((clipped < unclipped) * mask) / tokens,
+        "kl_behaviour": jnp.sum((mb.behaviour - prox) * mask) / tokens,
+        "is_weight_mean": jnp.sum(is_w * mask) / tokens,
+        "is_weight_max": jnp.max(jnp.where(mask > 0, is_w, 0.0)),
+        "is_truncated_fraction": jnp.sum((is_w > cfg.is_cap) * mask) / tokens,
+    }
+    return _aggregate(per_token, mb, cfg.aggregation, denom, n), metrics
+
+
+def critic_loss(
+    value: jax.Array, target: jax.Array, steps: jax.Array, denom: jax.Array
+) -> jax.Array:
+    """PPO's value loss: half the squared error to the (fixed) GAE targets, averaged over
+    the minibatch's valued steps."""
+    return 0.5 * jnp.sum((value - target) ** 2 * steps) / jnp.maximum(denom[2], 1)
+
+
 def make_train_step(
     graphdef: Any,
     cfg: GRPOConfig,
@@ -228,52 +291,15 @@ def make_train_step(
         )
         if prox is None:  # one update per step: the proximal policy is this one
             prox = jax.lax.stop_gradient(logp)
-        mask, adv = mb.mask, mb.advantage
-        anchor = mb.behaviour if cfg.correction == "tis" else prox
-        log_ratio = logp - anchor
-        if cfg.ratio == "sequence":
-            log_ratio = _sequence_log_ratio(log_ratio, logp, mb, n)
-        # log-ratios are capped before exp: past the cap both branches of the clipped
-        # objective are constant, so the cap changes no value or gradient, but an extreme
-        # behaviour log-probability can no longer make inf (and inf * 0 = NaN gradients)
-        ratio = jnp.exp(jnp.minimum(log_ratio, _MAX_LOG_RATIO))
-        if cfg.correction == "decoupled":
-            weight = jnp.exp(jnp.minimum(prox - mb.behaviour, jnp.log(cfg.is_cap)))
-            unclipped = ratio * adv
-        elif cfg.correction == "none":
-            weight = jnp.ones_like(ratio)
-            unclipped = ratio * adv
-        else:  # tis: the clipped ratio against the behaviour policy, truncated
-            weight = jnp.ones_like(ratio)
-            unclipped = jnp.minimum(ratio, cfg.is_cap) * adv
-        clipped = jnp.clip(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high) * adv
-        per_token = -weight * jnp.minimum(unclipped, clipped)
-        # the minibatch's policy tokens: a micro-batch's metrics are its share of them
+        loss, metrics = policy_loss(cfg, logp, prox, mb, ref, denom, n)
         tokens = jnp.maximum(denom[0], 1.0)
-        metrics = {}
-        if ref is not None:
-            if cfg.kl_estimator == "k1":
-                kl_ref = logp - ref
-            else:  # k3: unbiased and never negative
-                kl_ref = jnp.exp(ref - logp) - (ref - logp) - 1.0
-            per_token = per_token + cfg.kl_coef * kl_ref
-            metrics["kl_ref"] = jnp.sum(kl_ref * mask) / tokens
-        loss = _aggregate(per_token, mb, cfg.aggregation, denom, n)
+        metrics["entropy"] = jnp.sum(entropy * mb.mask) / tokens
         if value is not None:  # PPO's critic: squared error to the GAE targets
             target, steps = valued
-            value_loss = 0.5 * jnp.sum((value - target) ** 2 * steps) / jnp.maximum(denom[2], 1)
+            value_loss = critic_loss(value, target, steps, denom)
             loss = loss + cfg.value_coef * value_loss
             metrics["value_loss"] = value_loss
-        is_w = jnp.exp(jnp.minimum(prox - mb.behaviour, _MAX_LOG_RATIO))
-        metrics |= {
-            "loss": loss,
-            "clip_fraction": jnp.sum((clipped < unclipped) * mask) / tokens,
-            "entropy": jnp.sum(entropy * mask) / tokens,
-            "kl_behaviour": jnp.sum((mb.behaviour - prox) * mask) / tokens,
-            "is_weight_mean": jnp.sum(is_w * mask) / tokens,
-            "is_weight_max": jnp.max(jnp.where(mask > 0, is_w, 0.0)),
-            "is_truncated_fraction": jnp.sum((is_w > cfg.is_cap) * mask) / tokens,
-        }
+        metrics["loss"] = loss
         return loss, metrics
 
     def gradients(trainable: Any, mb: Any, n: int, base: Any) -> tuple[dict[str, jax.Array], Any]:
