@@ -103,7 +103,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     text = (
         f"run {result.status}: {f['steps']} steps in {f['wall_s']:.0f}s; "
         f"success on {cfg.eval_episodes} held-out episodes: initial "
-        f"{pct(f['success_initial'])} -> final {pct(f['success_final'])}; "
+        f"{pct(f['success_initial'])} -> final {pct(f['success_final'])}"
+        + (
+            f" ({f['gain_over_random_points']:+.1f} points over random answers "
+            f"{pct(f['random_success'])})"
+            if f.get("gain_over_random_points") is not None
+            else ""
+        )
+        + "; "
         f"trained {f['trajectories_trained']} trajectories, dropped as stale "
         f"{f['trajectories_dropped_stale']}\nreport: {result.report}"
     )

@@ -200,6 +200,13 @@ def figures(
             round(100 * (final["success"] - init["success"]), 1) if init and final else None
         ),
         "random_success": random_success,
+        # what is learned beyond answers in the right format: the final policy's success
+        # above the random-answer baseline (negative: below it)
+        "gain_over_random_points": (
+            round(100 * (final["success"] - random_success), 1)
+            if final and random_success is not None
+            else None
+        ),
         "eval_episodes": s.eval_episodes,
         "steps": metrics[-1]["step"] if metrics else 0,
         "wall_s": wall,
