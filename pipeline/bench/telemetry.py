@@ -7,10 +7,13 @@ the process's tracer is switched between a real one (spans batched to
 off-on-on-off, so that a drift of the machine hits both alike. Switching the tracer of a
 running producer keeps everything else equal: no recompilation, no new connections.
 
-Figures: ``telemetry_overhead``, the tracer's own CPU time (recording: spans shipped times
-the cost of one span measured in the same run; flushing: the flush thread's CPU time) as a
-share of the process's CPU time while it was on, which is what a CPU-bound producer loses;
-and the same question asked of throughput directly, trajectories/s with and without
+Figures: ``telemetry_overhead_measured`` (the headline), the process's CPU time per
+trajectory (all its threads: the policy, the tracer's flush thread, librdkafka's threads
+that compress and send the spans) with the tracer on over off, medians of the windows, with
+the per-pair differences' range and standard error; ``tracer_cpu_share``, the tracer's own
+CPU time as accounted (recording: spans shipped times the cost of one span measured in the
+same run; flushing: the flush thread's CPU time) over the process's while it was on; and
+the same question asked of throughput directly, trajectories/s with and without
 (medians of the windows, ``throughput_overhead`` = 1 - on / off, with the per-pair ratios'
 range and standard error: on a loaded machine the windows differ by several percent, so
 this answers only to that resolution); spans per second and per trajectory.
@@ -35,7 +38,7 @@ from pipeline.rollout.producer import RolloutProducer
 
 def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
     seconds = args.seconds or 10.0
-    pairs = max(2, args.rounds)
+    pairs = max(2, args.rounds)  # the documented figure: 6
     with cluster as kafka:
         return measure(kafka, seconds, pairs, args.concurrency)
 
@@ -88,6 +91,7 @@ def measure(kafka: KafkaConfig, seconds: float, pairs: int, concurrency: int) ->
     while producer.writer.sent < 2 * concurrency:  # warm-up: compiled and flowing
         time.sleep(0.05)
     rates: dict[str, list[float]] = {"off": [], "on": []}
+    cpu_per_traj: dict[str, list[float]] = {"off": [], "on": []}
     cpu: dict[str, float] = {"off": 0.0, "on": 0.0}
     on_s = 0.0
     try:
@@ -98,9 +102,14 @@ def measure(kafka: KafkaConfig, seconds: float, pairs: int, concurrency: int) ->
                 time.sleep(seconds)
                 n, c, t = done() - n0, time.process_time() - c0, time.perf_counter() - t0
                 rates[mode].append(n / t)
+                cpu_per_traj[mode].append(c / max(1, n))
                 cpu[mode] += c
                 on_s += t if mode == "on" else 0.0
-                print(f"pair {i + 1}/{pairs} telemetry {mode:3} {n / t:7.1f} traj/s", flush=True)
+                print(
+                    f"pair {i + 1}/{pairs} telemetry {mode:3} {n / t:7.1f} traj/s "
+                    f"{1e3 * c / max(1, n):6.2f} ms CPU/traj",
+                    flush=True,
+                )
     finally:
         install(NullTracer())
         producer.stop()
@@ -108,14 +117,25 @@ def measure(kafka: KafkaConfig, seconds: float, pairs: int, concurrency: int) ->
         tracer.close()
     off, on = statistics.median(rates["off"]), statistics.median(rates["on"])
     pair_ratios = [a / b for a, b in zip(rates["on"], rates["off"], strict=True)]
+    # the measurement: CPU time of the whole process (every thread: the policy, the
+    # tracer's flush thread, librdkafka's compressing and sending) per trajectory
+    cpu_on, cpu_off = statistics.median(cpu_per_traj["on"]), statistics.median(cpu_per_traj["off"])
+    cpu_pairs = [a / b - 1 for a, b in zip(cpu_per_traj["on"], cpu_per_traj["off"], strict=True)]
     spans_per_s = tracer.spans_sent / on_s
     record_cpu = tracer.spans_sent * span_cost_s()
     return {
         "bench": "telemetry",
         "figures": {
-            # the tracer's CPU time over the process's, while it was on: what it takes
-            # from a CPU-bound producer's throughput
-            "telemetry_overhead": (record_cpu + tracer.flush_cpu_s) / max(1e-9, cpu["on"]),
+            # measured: the process's CPU time per trajectory with the tracer on over off
+            "telemetry_overhead_measured": cpu_on / cpu_off - 1,
+            "cpu_per_trajectory_ms_on": 1e3 * cpu_on,
+            "cpu_per_trajectory_ms_off": 1e3 * cpu_off,
+            "overhead_pair_min": min(cpu_pairs),
+            "overhead_pair_max": max(cpu_pairs),
+            "overhead_pair_stderr": statistics.stdev(cpu_pairs) / len(cpu_pairs) ** 0.5,
+            # accounted: the tracer's own CPU time over the process's while it was on
+            # (spans times the cost of one, plus the flush thread; not librdkafka's)
+            "tracer_cpu_share": (record_cpu + tracer.flush_cpu_s) / max(1e-9, cpu["on"]),
             "record_cpu_share": record_cpu / max(1e-9, cpu["on"]),
             "flush_cpu_share": tracer.flush_cpu_s / max(1e-9, cpu["on"]),
             "trajectories_per_s_off": off,
@@ -133,5 +153,5 @@ def measure(kafka: KafkaConfig, seconds: float, pairs: int, concurrency: int) ->
             "concurrency": concurrency,
         },
         "ratios": {"on_vs_off": on / off},
-        "goals": {"telemetry_overhead": "<= 0.01"},
+        "goals": {"telemetry_overhead_measured": "<= 0.01"},
     }

@@ -164,7 +164,12 @@ def test_bench_telemetry_switches_the_tracer_of_a_running_producer(bootstrap: st
     assert f["trajectories_per_s_off"] > 0 and f["trajectories_per_s_on"] > 0
     # spans were shipped while on, and the tracer's CPU time was measured
     assert f["spans_per_s"] > 0 and f["spans_per_trajectory"] > 1
-    assert f["telemetry_overhead"] == pytest.approx(f["record_cpu_share"] + f["flush_cpu_share"])
+    assert f["tracer_cpu_share"] == pytest.approx(f["record_cpu_share"] + f["flush_cpu_share"])
+    # the measurement: the process's CPU per trajectory on over off, from the same windows
+    on, off = f["cpu_per_trajectory_ms_on"], f["cpu_per_trajectory_ms_off"]
+    assert on > 0 and off > 0
+    assert f["telemetry_overhead_measured"] == pytest.approx(on / off - 1)
+    assert f["overhead_pair_min"] <= f["overhead_pair_max"]
     assert f["flush_cpu_share"] > 0
     assert result.stdout.count("telemetry on") == result.stdout.count("telemetry off") == 2
 
