@@ -57,7 +57,12 @@ def register(sub: Any) -> None:
         help="interleaved rounds per contender (telemetry: pairs of windows)",
     )
     p.add_argument("--tokens", type=int, default=4096, help="tokens per trajectory")
-    p.add_argument("--records", type=int, default=3000, help="records (transport)")
+    p.add_argument(
+        "--records",
+        type=int,
+        default=20000,
+        help="records per side and round (transport: enough that start-up is a few percent)",
+    )
     p.add_argument(
         "--latency-ms",
         type=float,

@@ -135,14 +135,25 @@ def test_bench_transport_runs_next_to_kafka_tools(bootstrap: str) -> None:
         "200",
         "--tokens",
         "1024",
+        "--rounds",
+        "2",
         "--json",
     )
     assert result.returncode == 0, result.stderr
     out = last_json(result.stdout)
-    assert out["figures"]["consumed"] == 200
-    assert out["figures"]["kafka_producer_perf_per_s"] > 0
-    assert out["figures"]["kafka_consumer_perf_per_s"] > 0
+    f = out["figures"]
+    assert f["consumed"] == 200
+    assert f["kafka_producer_perf_per_s"] > 0
+    assert f["kafka_consumer_perf_per_s"] > 0
     assert out["ratios"]["vs_kafka_tools"] > 0
+    # two interleaved rounds, each side's compressed bytes on the wire measured by Kafka
+    assert all(len(v) == 2 for v in f["per_round"].values())
+    for side in ("rlstream_produce", "kafka_producer_perf"):
+        assert 0 < f[f"{side}_wire_mb_per_s"] < f[f"{side}_mb_per_s"]  # lz4 compressed them
+    # the tool was given rlstream's records: they compress alike (within a fifth)
+    ours = f["rlstream_produce_wire_mb_per_s"] / f["rlstream_produce_mb_per_s"]
+    tool = f["kafka_producer_perf_wire_mb_per_s"] / f["kafka_producer_perf_mb_per_s"]
+    assert abs(ours / tool - 1) < 0.2
 
 
 def test_bench_telemetry_switches_the_tracer_of_a_running_producer(bootstrap: str) -> None:
