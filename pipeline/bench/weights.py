@@ -7,8 +7,10 @@ on; a publisher saves a checkpoint and announces it every ``--interval`` seconds
 ``--lora-rank`` on every linear layer) on one base, which the producer loads with the
 first of them. For each announcement: propagation = the moment the policy thread first
 samples with the new version minus the announcement's creation time (checkpoint already
-durable); swap stall = the swap itself plus how much longer the first decode step after
-it took than the median step. ``--model`` takes a preset (tiny, small, base).
+durable); a swap applied while the policy was idle counts from when it was applied (and
+is counted, ``applied_while_idle``); swap stall = the swap itself plus how much longer the
+first decode step after it took than the median step (idle swaps stall nothing).
+``--model`` takes a preset (tiny, small, base).
 """
 
 from __future__ import annotations
@@ -94,7 +96,13 @@ def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
     server = producer.server
     median_step = statistics.median(server.step_s)
     seen = {v: at - created[v] for v, at, _, _ in server.swaps if v in created}
-    stalls = {v: swap_s + max(0.0, first - median_step) for v, _, swap_s, first in server.swaps}
+    # a swap applied while the policy was idle stalled no step: counted, not a stall
+    stalls = {
+        v: swap_s + max(0.0, first - median_step)
+        for v, _, swap_s, first in server.swaps
+        if first is not None
+    }
+    idle = sum(first is None for v, _, _, first in server.swaps if v in created)
     full = [seen[v] for v in range(1, n + 1) if v in seen]
     # the first adapters also bring the base; the others move only adapters
     first_adapters = seen.get(n + 1)
@@ -114,6 +122,11 @@ def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
             "lora_rank": lora.rank,
             "announcements": 2 * n,
             "applied": len(seen),
+            # versions never applied (a newer one came first): not in the percentiles
+            "skipped": 2 * n - len(seen),
+            # applied while the policy was idle: in the propagation percentiles (the
+            # version was in place from then), not in the stalls
+            "applied_while_idle": idle,
             "propagation_p50_s": full_p50,
             "propagation_p99_s": float(np.percentile(full, 99)),
             "adapters_propagation_p50_s": adapters_p50,

@@ -69,8 +69,8 @@ class PolicyServer:
         self.batch_sizes = 0
         self.step_s: list[float] = []
         #: per swap: (version, wall time it took effect, seconds the swap itself took,
-        #: seconds of the first decode step after it)
-        self.swaps: list[tuple[int, float, float, float]] = []
+        #: seconds of the first decode step after it: None when applied while idle)
+        self.swaps: list[tuple[int, float, float, float | None]] = []
         self.error: BaseException | None = None
 
     @property
@@ -120,6 +120,8 @@ class PolicyServer:
                 self._take(active)
                 swapped = self._apply_swap()
                 if not active:
+                    if swapped is not None:  # applied while idle: no step stalled for it
+                        self.swaps.append((*swapped, None))
                     continue
                 t0 = time.perf_counter()
                 start_ns = time.time_ns()

@@ -233,3 +233,24 @@ def test_safe_arithmetic_evaluates_nothing_else() -> None:
     for bad in ("__import__('os')", "2**99999", "a+1", "1/0", "1//0", "9" * 80):
         with pytest.raises(ValueError):
             safe_arithmetic(bad)
+
+
+def test_a_swap_applied_while_idle_is_recorded_and_the_next_episode_samples_it(
+    model: Any,
+) -> None:
+    import time
+
+    from flax import nnx
+
+    server = server_for(model, 1)
+    server.swap(nnx.state(init_model(CFG, seed=9)), 7)
+    deadline = time.monotonic() + 10
+    while not server.swaps and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # nothing was generating: the swap is recorded with no decode step after it
+    assert [(v, first) for v, _, _, first in server.swaps] == [(7, None)]
+    t = asyncio.run(
+        run_episode(make("guess"), member(), server, 0, TOK, EpisodeLimits(max_new_tokens=4), "p")
+    )
+    server.stop()
+    assert t.version_spans[0].version == 7
