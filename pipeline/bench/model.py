@@ -5,8 +5,13 @@ checkpoints that ``rlstream model init`` writes (``tiny`` and ``0.5b-shape``, Qw
 configuration): prefill and decode tokens/s of the key-value-cached sampler, train-step
 tokens/s of the GRPO step the trainer runs (Adam, donated state, no reference copy), and
 the step's peak resident memory next to what its parameters, gradients and optimizer
-state take. Model FLOPs are ``6 * parameters`` per trained token (``2 *`` per sampled one);
-on an accelerator with a known peak, utilization is reported too.
+state take. Model FLOPs per trained token are ``6 * N + 12 * L * H * Q * T`` (PaLM, appendix
+B): ``N`` the parameters that take part in matrix products (all but the input embedding
+table, a lookup; a tied table counts once, as the output head), ``L`` layers, ``H`` heads
+of ``Q`` dimensions, ``T`` the sequence length (attention over the whole sequence, not
+halved for the causal mask). On an accelerator with a known peak for the model's dtype
+(bfloat16; float32 matrix products run as TF32 at JAX's default precision, as FP32 at
+``highest``), utilization is reported too.
 """
 
 from __future__ import annotations
@@ -29,8 +34,13 @@ from pipeline.policy.sampler import DecodeEngine
 from pipeline.train.config import GRPOConfig
 from pipeline.train.grpo import Batch, init_state, make_train_step
 
-#: dense bfloat16 peak FLOP/s of accelerators, by ``device_kind`` prefix
-PEAK_FLOPS = {"NVIDIA H200": 989e12, "NVIDIA H100": 989e12, "NVIDIA A100": 312e12}
+#: dense peak FLOP/s of accelerators by ``device_kind`` prefix: bfloat16, TF32 (float32
+#: at JAX's default matmul precision) and FP32 (at ``highest``), from the vendors' sheets
+PEAK_FLOPS = {
+    "NVIDIA H200": {"bfloat16": 989e12, "tf32": 495e12, "float32": 67e12},
+    "NVIDIA H100": {"bfloat16": 989e12, "tf32": 495e12, "float32": 67e12},
+    "NVIDIA A100": {"bfloat16": 312e12, "tf32": 156e12, "float32": 19.5e12},
+}
 
 #: (slots, prompt tokens, decode steps, train rows, train tokens per row) by size
 SHAPES = {"tiny": (16, 128, 64, 8, 256), "large": (8, 128, 16, 2, 256)}
@@ -50,9 +60,23 @@ def _reset_peak() -> None:
         pass
 
 
-def _peak_flops() -> float | None:
+def _peak_flops(dtype: str) -> float | None:
+    """The device's dense peak for matrix products in ``dtype`` (None: not known)."""
     kind = jax.devices()[0].device_kind
-    return next((v for k, v in PEAK_FLOPS.items() if kind.startswith(k)), None)
+    peaks = next((v for k, v in PEAK_FLOPS.items() if kind.startswith(k)), None)
+    if peaks is None:
+        return None
+    precision = getattr(jax.config, "jax_default_matmul_precision", None)
+    if dtype == "float32" and precision not in ("highest", "float32"):
+        dtype = "tf32"
+    return peaks.get(dtype)
+
+
+def train_flops_per_token(cfg: ModelConfig, length: int) -> float:
+    """``6 * N + 12 * L * H * Q * T`` (see the module docstring)."""
+    lookup = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
+    matmul = cfg.num_params() - lookup
+    return 6 * matmul + 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * length
 
 
 def measure(cfg: ModelConfig, shape: tuple[int, int, int, int, int]) -> dict[str, float]:
@@ -109,13 +133,14 @@ def measure(cfg: ModelConfig, shape: tuple[int, int, int, int, int]) -> dict[str
     itemsize = np.dtype(cfg.dtype).itemsize
     out["train_tokens_per_s"] = rows * length / train_s
     out["train_step_s"] = train_s
-    out["model_flops_per_s"] = 6 * n * rows * length / train_s
+    out["model_flops_per_token"] = train_flops_per_token(cfg, length)
+    out["model_flops_per_s"] = out["model_flops_per_token"] * rows * length / train_s
     out["peak_rss_gib"] = peak / 2**30
     out["rss_before_step_gib"] = base / 2**30
     # parameters + gradients + Adam's two moments
     out["state_and_grads_gib"] = 4 * n * itemsize / 2**30
     out["peak_over_state_and_grads"] = peak / (4 * n * itemsize)
-    peak_flops = _peak_flops()
+    peak_flops = _peak_flops(cfg.dtype)
     if peak_flops is not None:
         out["train_mfu"] = out["model_flops_per_s"] / peak_flops
     del state
