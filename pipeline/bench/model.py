@@ -32,7 +32,8 @@ from pipeline.policy.hf_init import init_checkpoint
 from pipeline.policy.hf_weights import initial_model
 from pipeline.policy.sampler import DecodeEngine
 from pipeline.train.config import GRPOConfig
-from pipeline.train.grpo import Batch, init_state, make_train_step
+from pipeline.train.grpo import init_state, make_train_step
+from pipeline.train.objective import Batch
 
 #: dense peak FLOP/s of accelerators by ``device_kind`` prefix: bfloat16, TF32 (float32
 #: at JAX's default matmul precision) and FP32 (at ``highest``), from the vendors' sheets

@@ -34,8 +34,9 @@ import numpy as np
 from pipeline.policy.config import ModelConfig
 from pipeline.policy.model import init_model
 from pipeline.train.config import GRPOConfig
-from pipeline.train.grpo import Batch, init_state, make_train_step
+from pipeline.train.grpo import init_state, make_train_step
 from pipeline.train.mesh import batch_sharding, make_mesh, state_shardings
+from pipeline.train.objective import Batch
 
 DEVICES = 4
 #: a Qwen2-shaped model small enough for CPUs: grouped-query attention, biases, SwiGLU,

@@ -25,7 +25,7 @@ from pipeline.kafka.transport import Coordinates
 from pipeline.records.trajectory import Trajectory
 from pipeline.train.advantages import advantages, overlong_penalty
 from pipeline.train.config import GRPOConfig
-from pipeline.train.grpo import Batch
+from pipeline.train.objective import Batch
 
 
 @dataclass

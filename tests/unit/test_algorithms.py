@@ -16,7 +16,8 @@ from pipeline.testing import make_trajectory
 from pipeline.train.advantages import advantages, overlong_penalty, zero_variance
 from pipeline.train.batching import GroupBuffer, assemble, pack, row_choices, rows_to_pack
 from pipeline.train.config import GRPOConfig
-from pipeline.train.grpo import Batch, TrainState, init_state, make_train_step
+from pipeline.train.grpo import TrainState, init_state, make_train_step
+from pipeline.train.objective import Batch
 
 CFG = ModelConfig(d_model=32, num_layers=1, num_heads=2, d_ff=64, max_len=64)
 

@@ -31,7 +31,8 @@ from pipeline.rollout.episode import GroupSlot, run_episode
 from pipeline.testing import ScriptedPolicy, group_member, make_trajectory
 from pipeline.train.config import GRPOConfig
 from pipeline.train.contract import RecordContract
-from pipeline.train.grpo import Batch, init_state, make_train_step
+from pipeline.train.grpo import init_state, make_train_step
+from pipeline.train.objective import Batch
 
 CODEC = TrajectoryCodec()
 TOK = ByteTokenizer()

@@ -47,7 +47,7 @@ import pytest
 from pipeline.train.advantages import advantages
 from pipeline.train.config import GRPOConfig
 from pipeline.train.critic import gae
-from pipeline.train.grpo import Batch, critic_loss, denominators, policy_loss
+from pipeline.train.objective import Batch, critic_loss, denominators, policy_loss
 
 ROWS, T = 6, 14
 TOL = 1e-5

@@ -16,7 +16,8 @@ from pipeline.policy.model import init_model, token_logprobs
 from pipeline.testing import make_trajectory
 from pipeline.train.batching import Group, GroupBuffer, GroupQueue, Refused, assemble, bucket_for
 from pipeline.train.config import GRPOConfig
-from pipeline.train.grpo import Batch, init_state, make_train_step
+from pipeline.train.grpo import init_state, make_train_step
+from pipeline.train.objective import Batch
 from pipeline.train.positions import PositionTracker
 from pipeline.train.stale import StaleRanges
 
