@@ -138,6 +138,35 @@ _REGISTRY: dict[str, Callable[..., Environment] | str] = {
 }
 
 
+@dataclass(frozen=True)
+class Adapter:
+    """An ecosystem's environments, named ``PREFIX:ARGUMENT`` (``reasoning-gym:leg_counting``):
+    ``factory(ARGUMENT, **options)`` builds one; ``package`` is what it imports, installed
+    with ``extra``."""
+
+    prefix: str
+    factory: str
+    package: str
+    extra: str
+    what: str
+
+
+#: the ecosystems whose environments are named by a prefix
+ADAPTERS: dict[str, Adapter] = {
+    a.prefix: a
+    for a in (
+        Adapter(
+            "reasoning-gym",
+            "connectors.reasoning_gym:ReasoningGym",
+            "reasoning_gym",
+            "envs",
+            "any reasoning-gym dataset: reasoning-gym:DATASET (options: its config fields, "
+            "attempts)",
+        ),
+    )
+}
+
+
 def register(name: str, factory: Callable[..., Environment] | str) -> None:
     """Make ``factory(**options)`` available as environment ``name``; ``factory`` may be
     an import string ``"package.module:Class"``, imported when first used."""
@@ -149,21 +178,71 @@ def registered() -> list[str]:
     return sorted(_REGISTRY)
 
 
+class _Bound:
+    """An adapter's factory with its argument: what ``factory("PREFIX:ARG")`` returns,
+    named after both (the trajectories' and the rollout topic's name)."""
+
+    def __init__(self, make_: Callable[..., Environment], argument: str, name: str) -> None:
+        self._make, self.argument, self.name = make_, argument, name
+
+    def __call__(self, **options: Any) -> Environment:
+        return self._make(self.argument, **options)
+
+
+def _import(spec: str, what: str) -> Any:
+    module, _, attr = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise InvalidConfigError(f"environment {what!r}: cannot load {spec}: {e}") from None
+
+
 def factory(name: str) -> Callable[..., Environment]:
-    """The factory registered as ``name``, imported now if it was given as a string."""
+    """The factory of environment ``name``: a registered name, an ecosystem's
+    ``PREFIX:ARGUMENT`` (:data:`ADAPTERS`) or a user's own ``package.module:Class`` (an
+    :class:`Environment` subclass), imported now."""
     entry = _REGISTRY.get(name)
     if entry is None:
-        raise InvalidConfigError(
-            f"unknown environment {name!r}: registered are {', '.join(sorted(_REGISTRY))}"
-        )
+        prefix, sep, argument = name.partition(":")
+        adapter = ADAPTERS.get(prefix)
+        if adapter is not None:
+            return _adapter(adapter, argument, name)
+        if not sep or not argument:
+            raise InvalidConfigError(_unknown(name))
+        cls = _import(name, name)
+        if not (isinstance(cls, type) and issubclass(cls, Environment)):
+            raise InvalidConfigError(
+                f"environment {name!r} is not a subclass of connectors.base.Environment"
+            )
+        _REGISTRY[name] = cls
+        return cls
     if isinstance(entry, str):
-        module, _, attr = entry.partition(":")
-        try:
-            entry = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
-            raise InvalidConfigError(f"environment {name!r}: cannot load {entry}: {e}") from None
+        entry = _import(entry, name)
         _REGISTRY[name] = entry
     return entry
+
+
+def _unknown(name: str) -> str:
+    return (
+        f"unknown environment {name!r}: registered are {', '.join(sorted(_REGISTRY))}; "
+        f"an ecosystem's is {' or '.join(p + ':NAME' for p in ADAPTERS)}; your own class "
+        "is package.module:Class"
+    )[:600]
+
+
+def _adapter(adapter: Adapter, argument: str, name: str) -> Callable[..., Environment]:
+    if not argument:
+        raise InvalidConfigError(f"environment {name!r}: {adapter.prefix} needs a name after ':'")
+    try:
+        importlib.import_module(adapter.package)
+    except ImportError:
+        raise InvalidConfigError(
+            f"environment {name!r} needs the {adapter.package} package: "
+            f"pip install 'rlstream[{adapter.extra}]'"
+        ) from None
+    cls = _import(adapter.factory, name)
+    topic_safe = "".join(c if c.isalnum() or c in "._-" else "-" for c in argument)
+    return _Bound(cls, argument, f"{adapter.prefix}-{topic_safe}"[:200])
 
 
 def make(name: str, /, **options: Any) -> Environment:
@@ -182,7 +261,9 @@ def env_name(name: str, options: Mapping[str, Any] | None = None) -> str:
     options = dict(options or {})
     if isinstance(options.get("name"), str):
         return str(options["name"])
-    return str(getattr(factory(name), "name", "") or name)
+    found = str(getattr(factory(name), "name", "") or name)
+    # a user's package.module:Class without a name: a name a topic can carry
+    return "".join(c if c.isalnum() or c in "._-" else "-" for c in found)[:200]
 
 
 class SharedResource(Protocol):

@@ -34,13 +34,19 @@ def register(sub: Any) -> None:
 
 def cmd_env(args: argparse.Namespace) -> int:
     import asyncio
+    import importlib.util
 
-    from connectors.base import registered
+    from connectors.base import ADAPTERS, registered
     from connectors.serve import ServeConfig, SessionHost, serve_http, serve_stdio
 
     if args.action == "list":
         for name in registered():
             print(name)
+        for adapter in ADAPTERS.values():
+            installed = importlib.util.find_spec(adapter.package) is not None
+            need = "" if installed else f" (needs pip install 'rlstream[{adapter.extra}]')"
+            print(f"{adapter.prefix}:NAME  {adapter.what}{need}")
+        print("package.module:Class  your own connectors.base.Environment subclass")
         return 0
     if args.name:
         args.env = args.name

@@ -1,0 +1,103 @@
+"""reasoning-gym's procedural datasets as rlstream environments: ``reasoning-gym:DATASET``.
+
+A task is one entry of the dataset, named by the seed it is generated from (a dataset of
+one entry made with that seed), so producers and held-out evaluations, which draw their
+seeds from different random streams, see different questions without a shared index. The
+question is the prompt; the model's answer (the text inside ``<answer>...</answer>`` when
+it writes one, else its whole turn) is scored by the dataset's own ``score_answer``, and
+that score is the reward. With ``attempts`` above 1 a wrong answer is told so and the
+model answers again (multi-turn: the reward is the last answer's score).
+
+Options: ``attempts`` (1), ``max_answer_chars`` (4,096: longer answers are cut before
+scoring) and any field of the dataset's own config (``--env-option min_terms=2``); a field
+the dataset does not have is refused with the dataset's reason.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+from connectors.base import Environment, Step, Task
+from pipeline.errors import InvalidConfigError
+
+#: seeds of tasks are drawn below this
+_SEEDS = 2**31
+
+
+class ReasoningGym(Environment):
+    def __init__(
+        self, dataset: str, attempts: int = 1, max_answer_chars: int = 4096, **config: Any
+    ) -> None:
+        import reasoning_gym
+
+        if not isinstance(attempts, int) or isinstance(attempts, bool) or not 1 <= attempts <= 16:
+            raise InvalidConfigError(
+                f"reasoning-gym: attempts must lie in [1, 16], got {attempts!r}"
+            )
+        if not isinstance(max_answer_chars, int) or not 1 <= max_answer_chars <= 1 << 20:
+            raise InvalidConfigError(
+                f"reasoning-gym: max_answer_chars must lie in [1, 2**20], got {max_answer_chars!r}"
+            )
+        if "seed" in config or "size" in config:
+            raise InvalidConfigError(
+                "reasoning-gym: seed and size are rlstream's (each task is a seed it draws)"
+            )
+        self.name = "reasoning-gym-" + dataset
+        self.dataset, self.attempts, self.max_answer_chars = dataset, attempts, max_answer_chars
+        self.config = dict(config)
+        self._create = reasoning_gym.create_dataset
+        self._entry: dict[str, Any] | None = None
+        self._data: Any = None
+        self._tries = 0
+        self._build(0)  # an unknown dataset or a bad config field is refused now
+
+    def _build(self, seed: int) -> dict[str, Any]:
+        try:
+            data = self._create(self.dataset, size=1, seed=seed, **self.config)
+        except (TypeError, ValueError, AssertionError, KeyError) as e:
+            raise InvalidConfigError(f"reasoning-gym:{self.dataset}: {e}"[:500]) from None
+        self._data = data
+        entry = data[0]
+        if not isinstance(entry, dict) or not isinstance(entry.get("question"), str):
+            raise ValueError(f"reasoning-gym:{self.dataset} gave an entry without a question")
+        return entry
+
+    def sample_task(self, rng: random.Random) -> Task:
+        seed = rng.randrange(_SEEDS)
+        return Task(f"{self.name}-{seed}", {"seed": seed})
+
+    async def reset(self, task: Task) -> str:
+        seed = task.params.get("seed")
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < _SEEDS:
+            raise ValueError(f"reasoning-gym task {task.task_id!r} has no valid seed")
+        self._entry = self._build(seed)
+        self._tries = 0
+        return str(self._entry["question"])
+
+    async def step(self, action: str) -> Step:
+        if self._entry is None:
+            raise RuntimeError("step before reset")
+        self._tries += 1
+        answer = _answer(action[: self.max_answer_chars])
+        score = float(self._data.score_answer(answer, self._entry))
+        if not math.isfinite(score):
+            raise ValueError(f"score_answer gave {score!r}")
+        last = self._tries >= self.attempts
+        solved = score >= 1.0
+        info = {"solved": solved, "score": score}
+        if solved or last:
+            return Step("Correct." if solved else "Not correct.", score, True, info)
+        left = self.attempts - self._tries
+        return Step(f"Not correct. Try again ({left} left).", 0.0, False, info)
+
+
+def _answer(text: str) -> str:
+    """The answer inside the last ``<answer>...</answer>``, else the whole text, stripped."""
+    start = text.rfind("<answer>")
+    if start >= 0:
+        end = text.find("</answer>", start)
+        if end >= 0:
+            return text[start + len("<answer>") : end].strip()
+    return text.strip()

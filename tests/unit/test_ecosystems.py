@@ -1,0 +1,118 @@
+"""Environments named the way users of other ecosystems name them, and their own classes."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from connectors import base
+from connectors.base import Adapter, env_name, make
+from pipeline.errors import InvalidConfigError
+
+
+def test_a_users_own_class_is_named_by_its_import_path() -> None:
+    env = make("tests.user_env:Echo", word="ping")
+    assert asyncio.run(env.reset(env.sample_task(random.Random(0)))) == "Say ping."
+    assert asyncio.run(env.step("ping")).reward == 1.0
+    # its topic's name: characters a topic can carry
+    assert env_name("tests.user_env:Echo") == "tests.user_env-Echo"
+    with pytest.raises(InvalidConfigError, match="not a subclass"):
+        make("tests.user_env:NOT_AN_ENVIRONMENT")
+    with pytest.raises(InvalidConfigError, match="cannot load"):
+        make("tests.no_such_module:Echo")
+    with pytest.raises(InvalidConfigError, match=r"package\.module:Class"):
+        make("nothing-like-it")
+
+
+def test_a_missing_ecosystem_package_is_one_sentence_naming_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    missing = Adapter("elsewhere", "x:Y", "no_such_package_rlstream", "envs", "")
+    monkeypatch.setitem(base.ADAPTERS, "elsewhere", missing)
+    with pytest.raises(InvalidConfigError) as e:
+        make("elsewhere:thing")
+    assert "pip install 'rlstream[envs]'" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(InvalidConfigError, match="needs a name"):
+        make("reasoning-gym:")
+
+
+def _play(env: base.Environment, task: base.Task, answers: list[str]) -> tuple[str, float, int]:
+    async def go() -> tuple[str, float, int]:
+        prompt = await env.reset(task)
+        total, turns = 0.0, 0
+        for a in answers:
+            step = await env.step(a)
+            total, turns = total + step.reward, turns + 1
+            if step.done:
+                break
+        return prompt, total, turns
+
+    return asyncio.run(go())
+
+
+def test_reasoning_gym_scores_with_the_datasets_own_answer_check() -> None:
+    import reasoning_gym
+
+    env = make("reasoning-gym:basic_arithmetic")
+    assert env.name == env_name("reasoning-gym:basic_arithmetic")
+    assert env.name == "reasoning-gym-basic_arithmetic"
+    task = env.sample_task(random.Random(1))
+    entry = reasoning_gym.create_dataset("basic_arithmetic", size=1, seed=task.params["seed"])[0]
+    right, wrong = entry["answer"], "no idea"
+    prompt, reward, turns = _play(env, task, [f"so <answer>{right}</answer>"])
+    assert prompt == entry["question"] and (reward, turns) == (1.0, 1)
+    assert _play(env, task, [wrong])[1:] == (0.0, 1)
+    # a second try after feedback: the last answer's score is the reward
+    two = make("reasoning-gym:basic_arithmetic", attempts=2)
+    assert _play(two, task, [wrong, right])[1:] == (1.0, 2)
+    assert _play(two, task, [wrong, wrong, right])[1:] == (0.0, 2)
+
+
+def test_reasoning_gym_tasks_come_from_seeds_and_options_reach_the_dataset() -> None:
+    env = make("reasoning-gym:basic_arithmetic", min_terms=2, max_terms=2)
+    producer, held_out = random.Random(1), random.Random(1_000_003)
+    seen = {env.sample_task(producer).task_id for _ in range(200)}
+    assert len(seen) == 200
+    assert not seen & {env.sample_task(held_out).task_id for _ in range(200)}
+    prompt = asyncio.run(env.reset(env.sample_task(producer)))
+    assert prompt.count("+") + prompt.count("-") + prompt.count("*") + prompt.count("/") >= 1
+    for bad, why in (
+        ({"bogus": 1}, "bogus"),
+        ({"attempts": 0}, "attempts"),
+        ({"seed": 3}, "seed and size"),
+        ({"max_answer_chars": -1}, "max_answer_chars"),
+    ):
+        with pytest.raises(InvalidConfigError, match=why):
+            make("reasoning-gym:basic_arithmetic", **bad)
+    with pytest.raises(InvalidConfigError, match="not registered"):
+        make("reasoning-gym:no_such_dataset")
+
+
+def test_reasoning_gym_refuses_hostile_tasks_and_huge_answers() -> None:
+    env = make("reasoning-gym:basic_arithmetic", max_answer_chars=64)
+    for params in ({}, {"seed": -1}, {"seed": True}, {"seed": 2**40}, {"seed": "7"}):
+        with pytest.raises(ValueError, match="no valid seed"):
+            asyncio.run(env.reset(base.Task("t", params)))
+    task = env.sample_task(random.Random(3))
+    # a megabyte of answer is cut before scoring, not scored whole
+    assert _play(env, task, ["9" * 1_000_000])[1:] == (0.0, 1)
+
+
+def test_env_list_shows_the_built_ins_the_ecosystems_and_the_users_own(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pipeline.cli.main import main
+
+    monkeypatch.setitem(
+        base.ADAPTERS, "elsewhere", Adapter("elsewhere", "x:Y", "no_such_pkg_rl", "more", "far")
+    )
+    assert main(["env", "list"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert {"guess", "calc", "gym", "http", "process"} <= set(out)
+    rg = next(line for line in out if line.startswith("reasoning-gym:"))
+    assert "needs" not in rg  # installed here
+    far = next(line for line in out if line.startswith("elsewhere:"))
+    assert "pip install 'rlstream[more]'" in far
+    assert any(line.startswith("package.module:Class") for line in out)
