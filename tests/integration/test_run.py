@@ -207,9 +207,11 @@ def test_a_short_run_trains_reports_and_leaves_nothing_running(
     assert "| trainer steps | 3 |" in report
     headline = report.split("## Figures")[0]
     assert "**Trained:**" in headline and "on `guess` for 3 steps" in headline
-    assert "random answers succeed 41.4%" in headline  # 1 - (7/8)^4, guess's default
+    assert "over random answers (41.4%)" in headline  # 1 - (7/8)^4, guess's default
     assert f"busy {figures['trainer_busy']:.0%} of its time" in headline
     assert figures["random_success"] == pytest.approx(1 - (7 / 8) ** 4)
+    over = 100 * (figures["success_final"] - figures["random_success"])
+    assert figures["gain_over_random_points"] == pytest.approx(over, abs=0.051)
     assert_plots(run_dir, report)
     # sample episodes, read back from the topic, as conversations
     shown = report.split("## Sample episodes")[1].split("## ")[0]
