@@ -240,9 +240,7 @@ def _adapter(adapter: Adapter, argument: str, name: str) -> Callable[..., Enviro
             f"environment {name!r} needs the {adapter.package} package: "
             f"pip install 'rlstream[{adapter.extra}]'"
         ) from None
-    cls = _import(adapter.factory, name)
-    topic_safe = "".join(c if c.isalnum() or c in "._-" else "-" for c in argument)
-    return _Bound(cls, argument, f"{adapter.prefix}-{topic_safe}"[:200])
+    return _Bound(_import(adapter.factory, name), argument, f"{adapter.prefix}-{argument}")
 
 
 def make(name: str, /, **options: Any) -> Environment:
@@ -262,7 +260,7 @@ def env_name(name: str, options: Mapping[str, Any] | None = None) -> str:
     if isinstance(options.get("name"), str):
         return str(options["name"])
     found = str(getattr(factory(name), "name", "") or name)
-    # a user's package.module:Class without a name: a name a topic can carry
+    # an adapter's argument or a user's package.module:Class: a name a topic can carry
     return "".join(c if c.isalnum() or c in "._-" else "-" for c in found)[:200]
 
 
