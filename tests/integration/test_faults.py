@@ -6,6 +6,7 @@ What each scenario lost and how long recovery took is in docs/reliability.md."""
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 import signal
 import subprocess
@@ -450,8 +451,15 @@ def test_groups_that_lose_a_member_are_released_and_the_trainer_stays_busy(
     reasons = Counter(r for v in p.outcomes().values() for r in v)
     assert reasons["too_long"] > 0 and reasons["group_refused"] > 0, reasons
     assert reasons["incomplete_group"] == 0, reasons
-    # busy as the report defines it: from the end of the first step (once compiled and
-    # the producer's first group in) to the last, not the producer's start-up
+    # a group held until its timeout (60 s here) would leave one step waiting that long:
+    # released at once, no step waits more than a fraction of it. (How busy the trainer
+    # is besides depends on how fast the producer beside it runs on this machine: it is
+    # printed, and bounded loosely, not asserted tightly.)
+    idle = [b["idle_s"] - a["idle_s"] for a, b in itertools.pairwise(steps)]
     busy = busy_share(steps, first=1)
-    print(f"busy share {busy:.2f} over steps 2-12; settled {dict(reasons)}")
-    assert busy >= 0.8, steps[-1]
+    print(
+        f"busy share {busy:.2f} over steps 2-12, longest wait {max(idle):.1f} s; "
+        f"settled {dict(reasons)}"
+    )
+    assert max(idle) < 15, idle
+    assert busy >= 0.5, steps[-1]
