@@ -130,6 +130,9 @@ def measure(kafka: KafkaConfig, seconds: float, pairs: int, concurrency: int) ->
             "telemetry_overhead_measured": cpu_on / cpu_off - 1,
             "cpu_per_trajectory_ms_on": 1e3 * cpu_on,
             "cpu_per_trajectory_ms_off": 1e3 * cpu_off,
+            # the same from each pair alone (a drift of the machine cancels within a pair)
+            "overhead_pair_median": statistics.median(cpu_pairs),
+            "overhead_pair_mean": statistics.fmean(cpu_pairs),
             "overhead_pair_min": min(cpu_pairs),
             "overhead_pair_max": max(cpu_pairs),
             "overhead_pair_stderr": statistics.stdev(cpu_pairs) / len(cpu_pairs) ** 0.5,

@@ -118,6 +118,16 @@ def _union_s(intervals: list[tuple[int, int]]) -> float:
     return total / 1e9
 
 
+def _seconds(text: str) -> float:
+    """An attribute that holds seconds: finite and not negative, else 0 (a hostile or
+    broken record never turns a share into NaN)."""
+    try:
+        x = float(text)
+    except ValueError:
+        return 0.0
+    return x if 0.0 <= x < float("inf") else 0.0
+
+
 def _pct(values: list[float]) -> dict[str, float | int]:
     if not values:
         return {"count": 0}
@@ -156,8 +166,12 @@ def summarize(t: Telemetry) -> dict[str, Any]:
         / max(1e-9, wall(by_proc[p]))
         for p in producers
     }
-    episode_s = sum(s.seconds for p in producers for s in by_proc[p] if s.name == "episode")
-    env_s = sum(s.seconds for p in producers for s in by_proc[p] if s.name in ENV_SPANS)
+    episodes = [s for p in producers for s in by_proc[p] if s.name == "episode"]
+    episode_s = sum(s.seconds for s in episodes)
+    if all("env_s" in s.attrs for s in episodes):  # every episode's own account
+        env_s = sum(_seconds(s.attrs["env_s"]) for s in episodes)
+    else:  # telemetry of producers that recorded every environment call as a span
+        env_s = sum(s.seconds for p in producers for s in by_proc[p] if s.name in ENV_SPANS)
     out["env_wait_share"] = env_s / episode_s if episode_s else None
     out["episodes"] = dict(
         Counter(s.attrs.get("status", "?") for s in t.spans if s.name == "episode")

@@ -33,7 +33,7 @@ import numpy as np
 
 from connectors.base import Environment, Task
 from pipeline.errors import RlstreamError
-from pipeline.observe.telemetry import span, tracer
+from pipeline.observe.telemetry import no_span, span, tracer
 from pipeline.policy.server import PolicyServer, TurnResult
 from pipeline.policy.tokenizer import ChatFormat
 from pipeline.records.trajectory import (
@@ -133,6 +133,9 @@ async def run_episode(
     deadline = time.monotonic() + limits.episode_timeout_s
 
     track = f"slot-{slot}"
+    # the spans inside an episode, for the slots the tracer details (the episode's own span
+    # carries the environment and policy seconds of every episode)
+    inner = span if tracer().detailed(slot) else no_span
 
     async def timed(aw: Awaitable[T], what: str = "env_step", **attrs: str) -> T:
         """An environment call bounded by the step timeout and the episode's deadline."""
@@ -142,7 +145,7 @@ async def run_episode(
         try:
             # the episode's span on the same track carries env and group: spans inside it
             # stay small, as they are the most frequent of all
-            with span(what, track, **attrs):
+            with inner(what, track, **attrs):
                 return await asyncio.wait_for(aw, max(0.0, left))
         finally:
             env_s += time.perf_counter() - t0
@@ -160,7 +163,7 @@ async def run_episode(
                 rec.forget_after(fed)  # the record holds only what the policy saw
                 status = "truncated"
                 break
-            with span("policy_turn", track):
+            with inner("policy_turn", track):
                 turn = await server.generate(
                     slot, feed, limits.max_new_tokens, reset=turn_index == 0
                 )
@@ -219,7 +222,13 @@ async def run_episode(
         int(started * 1e9),
         time.time_ns(),
         track,
-        {"env": env.name, "group": member.group_id, "status": status},
+        {
+            "env": env.name,
+            "group": member.group_id,
+            "status": status,
+            "env_s": round(env_s, 6),
+            "policy_s": round(gen_s, 6),
+        },
     )
     return _trajectory(
         member,

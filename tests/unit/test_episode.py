@@ -254,3 +254,71 @@ def test_a_swap_applied_while_idle_is_recorded_and_the_next_episode_samples_it(
     )
     server.stop()
     assert t.version_spans[0].version == 7
+
+
+def test_spans_inside_an_episode_are_recorded_for_detailed_slots_only(model: Any) -> None:
+    """Every episode records its own span with its environment and policy seconds; the
+    spans inside it only where the tracer details the slot; the profile's environment
+    share is the same from either account."""
+    from pipeline.observe.profile import Telemetry, summarize
+    from pipeline.observe.telemetry import NullTracer, Tracer, install
+
+    t = install(Tracer("p", detail_every=2))
+    server = server_for(model, 2)
+    try:
+
+        async def both() -> None:
+            await asyncio.gather(
+                *(
+                    run_episode(make("guess", max_turns=3), member(i), server, i, TOK, LIM, "p")
+                    for i in range(2)
+                )
+            )
+
+        LIM = EpisodeLimits(max_new_tokens=6)
+        asyncio.run(both())
+    finally:
+        server.stop()
+        install(NullTracer())
+    datum = t.take()
+    assert datum is not None
+    spans = [
+        dict(zip(("name", "start_ns", "end_ns", "track", "attributes"), s, strict=True))
+        for s in datum["spans"]
+    ]
+    episodes = [s for s in spans if s["name"] == "episode"]
+    assert sorted(s["track"] for s in episodes) == ["slot-0", "slot-1"]
+    inner = [s for s in spans if s["name"] in ("env_reset", "env_step", "policy_turn")]
+    assert inner and {s["track"] for s in inner} == {"slot-0"}  # slot 1 is not detailed
+    detailed = next(s for s in episodes if s["track"] == "slot-0")
+    env_spans = sum(s["end_ns"] - s["start_ns"] for s in inner if s["name"] != "policy_turn") / 1e9
+    # the episode's own account covers its environment spans (and the wait around them)
+    assert env_spans <= float(detailed["attributes"]["env_s"]) <= env_spans + 0.05
+    tel = Telemetry()
+    tel.add({"process": "p", "host": "h", "pid": 1, "spans": [*spans, _produce()], "metrics": []})
+    share = summarize(tel)["env_wait_share"]
+    total_env = sum(float(s["attributes"]["env_s"]) for s in episodes)
+    total = sum(s["end_ns"] - s["start_ns"] for s in episodes) / 1e9
+    assert share == pytest.approx(total_env / total)
+    # an attribute that is no number of seconds counts as none, never as NaN
+    for bad in ("nan", "-1", "inf", "x"):
+        tel = Telemetry()
+        hostile = [{**e, "attributes": {**e["attributes"], "env_s": bad}} for e in episodes]
+        tel.add(
+            {"process": "p", "host": "h", "pid": 1, "spans": [*hostile, _produce()], "metrics": []}
+        )
+        share = summarize(tel)["env_wait_share"]
+        assert 0 <= share <= 1
+
+
+def _produce() -> dict[str, Any]:
+    return {"name": "produce", "start_ns": 0, "end_ns": 1, "track": "kafka", "attributes": {}}
+
+
+def test_a_tracer_details_at_least_every_slot() -> None:
+    from pipeline.observe.telemetry import NullTracer, Tracer
+
+    assert [Tracer("p", detail_every=3).detailed(i) for i in range(4)] == [True, False, False, True]
+    assert not NullTracer().detailed(0)
+    with pytest.raises(ValueError, match="detail_every"):
+        Tracer("p", detail_every=0)
