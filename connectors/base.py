@@ -163,6 +163,13 @@ ADAPTERS: dict[str, Adapter] = {
             "any reasoning-gym dataset: reasoning-gym:DATASET (options: its config fields, "
             "attempts)",
         ),
+        Adapter(
+            "textarena",
+            "connectors.textarena:TextArena",
+            "textarena",
+            "envs",
+            "any single-player TextArena game: textarena:ENV_ID (options: the game's keywords)",
+        ),
     )
 }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 
 import pytest
@@ -116,3 +117,94 @@ def test_env_list_shows_the_built_ins_the_ecosystems_and_the_users_own(
     far = next(line for line in out if line.startswith("elsewhere:"))
     assert "pip install 'rlstream[more]'" in far
     assert any(line.startswith("package.module:Class") for line in out)
+
+
+def _hanoi_moves(n: int, a: str = "A", b: str = "B", c: str = "C") -> list[str]:
+    if n == 0:
+        return []
+    return [*_hanoi_moves(n - 1, a, c, b), f"[{a} {c}]", *_hanoi_moves(n - 1, b, a, c)]
+
+
+def test_textarena_games_are_played_to_textarenas_own_reward() -> None:
+    env = make("textarena:GuessTheNumber-v0")
+    assert env.name == env_name("textarena:GuessTheNumber-v0") == "textarena-GuessTheNumber-v0"
+    task = env.sample_task(random.Random(2))
+
+    async def bisect() -> tuple[str, list[str], float, int]:
+        prompt = await env.reset(task)
+        lo, hi, said, turns = 1, 20, [], 0
+        while True:
+            guess = (lo + hi) // 2
+            step = await env.step(f"I say [{guess}]")
+            turns += 1
+            if step.done:
+                return prompt, said, step.reward, turns
+            said.append(step.observation)
+            assert "[Player]" not in step.observation  # the model's own move is not echoed
+            if "higher" in step.observation:
+                lo = guess + 1
+            else:
+                assert "lower" in step.observation, step.observation
+                hi = guess - 1
+
+    prompt, said, reward, turns = asyncio.run(bisect())
+    assert "Guess The Number" in prompt and reward == 1.0 and turns <= 5
+    # the same seed is the same game
+    assert asyncio.run(bisect())[1] == said
+
+    hanoi = make("textarena:TowerOfHanoi-v0")
+    moves = _hanoi_moves(3)
+    assert _play(hanoi, hanoi.sample_task(random.Random(0)), moves)[1:] == (1.0, len(moves))
+
+
+#: games no test above plays: each must play from its prompt to an end with a finite reward
+HELD_OUT = ["Mastermind-v0", "Minesweeper-v0-small", "FrozenLake-v0", "Sudoku-v0-very-easy"]
+
+
+@pytest.mark.parametrize("game", HELD_OUT)
+def test_held_out_textarena_games_play_to_an_end(game: str) -> None:
+    env = make(f"textarena:{game}")
+    rng = random.Random(game)
+
+    async def play() -> tuple[str, float, int]:
+        prompt = await env.reset(env.sample_task(rng))
+        for turn in range(1, 200):
+            move = (
+                "["
+                + " ".join(str(rng.randint(0, 6)) for _ in range(rng.choice((1, 2, 3, 4))))
+                + "]"
+            )
+            step = await env.step(
+                rng.choice((move, "[up]", "[down]", "[left]", "[right]", "no idea"))
+            )
+            assert isinstance(step.observation, str) and step.observation
+            if step.done:
+                return prompt, step.reward, turn
+        raise AssertionError(f"{game} did not end in 200 moves")
+
+    prompt, reward, turns = asyncio.run(play())
+    assert prompt and math.isfinite(reward) and -1.0 <= reward <= 1.0 and turns >= 1
+
+
+def test_textarena_refuses_what_it_cannot_play() -> None:
+    with pytest.raises(InvalidConfigError, match="textarena:NoSuchGame-v0"):
+        make("textarena:NoSuchGame-v0")
+    with pytest.raises(InvalidConfigError, match="single-player"):
+        make("textarena:TicTacToe-v0")
+    with pytest.raises(InvalidConfigError, match="bogus"):
+        make("textarena:GuessTheNumber-v0", bogus=1)
+    with pytest.raises(InvalidConfigError, match="max_observation_chars"):
+        make("textarena:GuessTheNumber-v0", max_observation_chars=0)
+    env = make("textarena:GuessTheNumber-v0", max_observation_chars=64)
+    for params in ({}, {"seed": -1}, {"seed": True}, {"seed": 2**40}, {"seed": "7"}):
+        with pytest.raises(ValueError, match="no valid seed"):
+            asyncio.run(env.reset(base.Task("t", params)))
+    with pytest.raises(RuntimeError, match="before reset"):
+        asyncio.run(make("textarena:GuessTheNumber-v0").step("[3]"))
+
+    async def flood() -> None:
+        await env.reset(env.sample_task(random.Random(5)))
+        step = await env.step("[" + "9" * 1_000_000 + "]")  # cut, then refused by the game
+        assert len(step.observation) <= 64
+
+    asyncio.run(flood())
