@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import functools
 import importlib
 import json
 import logging
@@ -250,13 +251,65 @@ def _adapter(adapter: Adapter, argument: str, name: str) -> Callable[..., Enviro
     return _Bound(_import(adapter.factory, name), argument, f"{adapter.prefix}-{argument}")
 
 
-def make(name: str, /, **options: Any) -> Environment:
-    """A new environment instance of registered ``name``."""
+def make(name: str, /, tools: Sequence[str] = (), **options: Any) -> Environment:
+    """A new environment instance of registered ``name``; with ``tools`` (``mcp:COMMAND``
+    or ``mcp:URL``, :mod:`connectors.mcp`) those servers' tools are added to its own."""
     try:
-        return factory(name)(**options)
+        env = factory(name)(**options)
     except TypeError as e:
         shown = str(options)[:300]
         raise InvalidConfigError(f"environment {name!r}: bad options {shown}: {e}") from None
+    return WithTools(env, tools) if tools else env
+
+
+class WithTools(Environment):
+    """An environment with the tools of MCP servers besides its own: the servers'
+    connections are the event loop's (:func:`shared`), listed when an episode starts; a
+    call to one of their tools goes to its server, any other call to the environment."""
+
+    def __init__(self, inner: Environment, specs: Sequence[str]) -> None:
+        from connectors.mcp import check_spec
+
+        self.inner = inner
+        self.specs = tuple(check_spec(s) for s in specs)
+        self.name = inner.name
+        self.tools = inner.tools
+        self._served: ToolRegistry | None = None
+
+    def sample_task(self, rng: random.Random) -> Task:
+        return self.inner.sample_task(rng)
+
+    async def reset(self, task: Task) -> str:
+        from connectors.mcp import McpServer
+
+        served = ToolRegistry()
+        for spec in self.specs:
+            make_server = functools.partial(McpServer, spec)
+            server = shared(("mcp", spec), make_server)
+            if server.gone:  # the last connection ended (the server died): a new one
+                await server.aclose()
+                server = renew(("mcp", spec), make_server)
+            for tool in await server.connect():
+                if tool.name in served or (self.inner.tools and tool.name in self.inner.tools):
+                    raise InvalidConfigError(f"tool {tool.name!r} is offered twice ({spec})")
+                served.add(tool)
+        self._served = served
+        self.tools = ToolRegistry([*(self.inner.tools or []), *served])
+        return await self.inner.reset(task)
+
+    async def step(self, action: str) -> Step:
+        return await self.inner.step(action)
+
+    async def call_tool(self, name: str, arguments: str) -> str:
+        if self._served is not None and name in self._served:
+            return (await self._served.call(name, arguments)).text
+        return await self.inner.call_tool(name, arguments)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    def random_success(self) -> float | None:
+        return self.inner.random_success()
 
 
 def env_name(name: str, options: Mapping[str, Any] | None = None) -> str:
@@ -287,6 +340,14 @@ def shared(key: Any, factory: Callable[[], R]) -> R:
     if res is None:
         res = _SHARED[(loop, key)] = factory()
     return res  # type: ignore[return-value]
+
+
+def renew(key: Any, factory: Callable[[], R]) -> R:
+    """A new resource in place of ``key``'s (the old one is left to its users and closed
+    by :func:`close_shared` no more: it has ended)."""
+    loop = asyncio.get_running_loop()
+    res = _SHARED[(loop, key)] = factory()
+    return res
 
 
 async def close_shared() -> None:

@@ -48,6 +48,12 @@ class Tool:
         }
 
 
+class ToolServerError(Exception):
+    """The server behind a tool failed (went away, hung, flooded, answered nonsense): not
+    the agent's mistake, so not its to read; the episode ends ``env_error`` with this
+    reason."""
+
+
 @dataclass(frozen=True)
 class ToolResult:
     """What a call gave back: ``text`` for the agent, ``error`` a stable reason or ""."""
@@ -59,7 +65,8 @@ class ToolResult:
 class ToolRegistry:
     """Tools by name; :meth:`call` parses, validates, runs with a timeout and never
     raises for a bad call (the error is the result). Outcomes are counted as
-    ``tool/<name>/<outcome>`` (ok, unknown_tool, bad_arguments, timeout, failed)."""
+    ``tool/<name>/<outcome>`` (ok, unknown_tool, bad_arguments, timeout, failed, and
+    server_failed: a :class:`ToolServerError`, raised for the episode to end)."""
 
     def __init__(self, tools: list[Tool] | None = None) -> None:
         self._tools: dict[str, Tool] = {}
@@ -142,6 +149,9 @@ class ToolRegistry:
             value = await asyncio.wait_for(tool.fn(**args), tool.timeout_s)
         except TimeoutError:
             return self._count(name, "timeout", f"error: timed out after {tool.timeout_s:g} s")
+        except ToolServerError:
+            count("tool", f"{name}/server_failed")
+            raise
         except Exception as e:  # the tool's failure is reported to the agent, not raised
             log.debug("tool %s failed: %r", name, e)
             return self._count(name, "failed", f"error: {type(e).__name__}: {e}")

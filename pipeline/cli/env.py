@@ -7,6 +7,7 @@ import logging
 import signal
 from typing import Any
 
+from pipeline.cli.common import add_json_arg
 from pipeline.errors import RlstreamError
 from pipeline.settings import add_flags, resolve
 
@@ -24,10 +25,19 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "action",
-        choices=["serve", "list"],
-        help="list the registered environments, or serve one over HTTP",
+        choices=["serve", "list", "tools"],
+        help="list the registered environments, serve one over HTTP, or list the tools "
+        "of MCP servers (--tools)",
     )
     p.add_argument("name", nargs="?", help="registered environment name (serve)")
+    p.add_argument(
+        "--tools",
+        action="append",
+        default=[],
+        metavar="mcp:COMMAND|mcp:URL",
+        help="an MCP server whose tools to list (tools; repeatable)",
+    )
+    add_json_arg(p)
     add_flags(p, ServeConfig)
     p.set_defaults(func=cmd_env, settings=ServeConfig)
 
@@ -48,6 +58,8 @@ def cmd_env(args: argparse.Namespace) -> int:
             print(f"{adapter.prefix}:NAME  {adapter.what}{need}")
         print("package.module:Class  your own connectors.base.Environment subclass")
         return 0
+    if args.action == "tools":
+        return _list_tools(args)
     if args.name:
         args.env = args.name
     elif not args._config_file:
@@ -76,4 +88,30 @@ def cmd_env(args: argparse.Namespace) -> int:
     asyncio.run(main())
     if not cfg.stdio:
         print(f"served {host.requests} requests", flush=True)
+    return 0
+
+
+def _list_tools(args: argparse.Namespace) -> int:
+    """``rlstream env tools --tools mcp:...``: each server's tools and their schemas."""
+    import asyncio
+    import json
+
+    from connectors.mcp import check_spec, list_tools
+    from connectors.tools import ToolServerError
+
+    if not args.tools:
+        raise RlstreamError("env tools needs --tools mcp:COMMAND or --tools mcp:URL")
+    for spec in args.tools:
+        check_spec(spec)
+    try:
+        tools = asyncio.run(list_tools(args.tools))
+    except ToolServerError as e:
+        raise RlstreamError(str(e)) from None
+    if getattr(args, "json", False):
+        print(json.dumps({"tools": tools}))
+        return 0
+    for t in tools:
+        print(f"{t['name']}  {t['description'].splitlines()[0] if t['description'] else ''}")
+        print(f"    {json.dumps(t['parameters'], sort_keys=True)}")
+    print(f"{len(tools)} tools from {len(args.tools)} server(s)")
     return 0

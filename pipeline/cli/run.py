@@ -164,6 +164,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     r = evaluate_weights(
         cfg.env,
         env_options=cfg.env_options,
+        tools=cfg.tools,
         model=cfg.model,
         weights=cfg.weights,
         model_seed=cfg.model_seed,

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 from connectors.base import make, with_latency
 from pipeline.errors import InvalidConfigError
 from pipeline.policy.config import LoRAConfig, ModelConfig, SamplingConfig, logprob_temperature
-from pipeline.rollout.config import AdmissionConfig, EpisodeLimits, ProducerConfig
+from pipeline.rollout.config import AdmissionConfig, EpisodeLimits, ProducerConfig, check_tools
 from pipeline.train.config import GRPOConfig, TrainerConfig
 
 _P, _T = ProducerConfig, TrainerConfig  # their class attributes are their defaults
@@ -39,6 +39,9 @@ class RunConfig:
     env: str = _P.env
     #: environment constructor options (a VALUE is read as JSON if it parses)
     env_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    #: MCP servers whose tools every episode gets besides the environment's own:
+    #: mcp:COMMAND (a child process over stdio) or mcp:URL (streamable HTTP); repeatable
+    tools: tuple[str, ...] = ()
     #: producer processes
     producers: int = 1
     #: trainer processes: one JAX job over all their devices (the batch split over them)
@@ -91,6 +94,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         make(self.env, **self.env_options)  # a clear error now, not in a child
+        check_tools(self.tools)
         if min(self.producers, self.trainers, self.steps, self.concurrency) < 1:
             raise InvalidConfigError(
                 "producers, trainers, steps and concurrency must be at least 1"
@@ -175,6 +179,7 @@ class RunConfig:
             namespace=namespace,
             env=self.env,
             env_options=dict(self.env_options),
+            tools=self.tools,
             latency_ms=self.latency_ms,
             latency_sigma=self.latency_sigma,
             concurrency=self.concurrency,

@@ -51,6 +51,8 @@ class Subject:
     env: str
     env_options: Mapping[str, Any]
     model: ModelConfig
+    #: MCP servers of the episodes' tools
+    tools: tuple[str, ...]
     seed: int
     max_new_tokens: int
     temperature: float
@@ -86,6 +88,7 @@ def subject(
             env=env or cfg.env,
             env_options=dict(cfg.env_options if env_options is None else env_options),
             model=cfg.model,
+            tools=cfg.tools,
             seed=cfg.seed,
             max_new_tokens=cfg.max_new_tokens,
             temperature=cfg.temperature if cfg.eval_temperature is None else cfg.eval_temperature,
@@ -108,6 +111,7 @@ def subject(
             env=env or trained_envs[0],
             env_options=dict(env_options or {}),
             model=tcfg.model,
+            tools=(),
             seed=tcfg.seed,
             max_new_tokens=EpisodeLimits.max_new_tokens,
             temperature=SamplingConfig.temperature,
@@ -136,6 +140,7 @@ def evaluate(run_dir: Path, s: Subject, which: str, say: Callable[[str], None]) 
     result = evaluate_weights(
         s.env,
         env_options=dict(s.env_options),  # held-out episodes without simulated latency
+        tools=s.tools,
         model=s.model,
         weights=weights,
         version=version,

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -70,6 +70,7 @@ class ChatTokenizer:
             raise InvalidConfigError("the tokenizer names no end-of-turn token (eos_token)")
         #: ids of the tool-call markers, when the vocabulary has them as single tokens
         self.call = tokenizer.token_to_id("<tool_call>")
+        self._openings: dict[str, _Piece] = {}  # by the JSON of the tools they list
         self.end_call = tokenizer.token_to_id("</tool_call>")
         self._probe()
 
@@ -120,11 +121,18 @@ class ChatTokenizer:
     def decode(self, ids: Sequence[int], *, specials: bool = False) -> str:
         return str(self.tok.decode(list(ids), skip_special_tokens=not specials))
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
-        """The template's text of ``messages`` (rendered within the bounds of
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = False,
+        tools: Sequence[Mapping[str, Any]] = (),
+    ) -> str:
+        """The template's text of ``messages`` with ``tools`` (each ``{"name",
+        "description", "parameters"}``) listed (rendered within the bounds of
         :mod:`pipeline.policy.template`; episodes never call this)."""
+        listed = [{"type": "function", "function": dict(t)} for t in tools] or None
         return render_bounded(
-            self.template_source, self.specials, [(messages, add_generation_prompt)]
+            self.template_source, self.specials, [(messages, add_generation_prompt)], listed
         )[0]
 
     # ---- the pieces an episode appends ----------------------------------------------------
@@ -184,10 +192,28 @@ class ChatTokenizer:
         """Tokens that open the policy's turn (the generation prompt)."""
         return self.encode(self._header)
 
-    def opening(self, prompt: str) -> list[int]:
+    def opening(self, prompt: str, tools: Sequence[Mapping[str, Any]] = ()) -> list[int]:
         """Tokens of the conversation up to the first policy turn: begin token, system
-        prompt and the user's ``prompt``, as the template lays them out."""
-        return self.encode(self._opening.text(prompt))
+        prompt and the user's ``prompt``, as the template lays them out; with ``tools``
+        (each ``{"name", "description", "parameters"}``) the template's own listing of
+        them too, as transformers passes them (``tools=[{"type": "function", ...}]``).
+        Each distinct list of tools is rendered once (within bounds) and kept."""
+        if not tools:
+            return self.encode(self._opening.text(prompt))
+        listed = [{"type": "function", "function": dict(t)} for t in tools]
+        key = json.dumps(listed, sort_keys=True, default=str)
+        piece = self._openings.get(key)
+        if piece is None:
+            plain, padded = render_bounded(
+                self.template_source,
+                self.specials,
+                [([{"role": "user", "content": text}], False) for text in (_SLOT, _PADDED)],
+                tools=listed,
+            )
+            piece = _Piece.read(plain, padded, "", "the user's first message with tools")
+            if len(self._openings) < 64:  # a process sees a few lists of tools, not more
+                self._openings[key] = piece
+        return self.encode(piece.text(prompt))
 
     def turn(self, role: str, text: str) -> list[int]:
         """Tokens of one more message (``tool`` for a tool's result, ``environment`` for

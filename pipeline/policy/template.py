@@ -105,13 +105,22 @@ def _compile(source: str) -> jinja2.Template:
 
 
 def render_bounded(
-    source: str, specials: dict[str, str], conversations: Sequence[Conversation]
+    source: str,
+    specials: dict[str, str],
+    conversations: Sequence[Conversation],
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[str]:
-    """The template's rendering of each conversation, computed in a child process within
-    the module's limits; InvalidConfigError naming the limit or the template's error."""
+    """The template's rendering of each conversation (with ``tools`` listed, as
+    transformers passes them, when given), computed in a child process within the
+    module's limits; InvalidConfigError naming the limit or the template's error."""
     parse_template(source)  # refused here, before a process starts, when it cannot load
     request = json.dumps(
-        {"source": source, "specials": specials, "conversations": list(conversations)}
+        {
+            "source": source,
+            "specials": specials,
+            "conversations": list(conversations),
+            "tools": tools,
+        }
     )
     try:
         done = subprocess.run(
@@ -167,7 +176,7 @@ def _child() -> None:
                 _bounded_chunks(
                     template.generate(
                         messages=messages,
-                        tools=None,
+                        tools=request.get("tools"),
                         add_generation_prompt=prompt,
                         **request["specials"],
                     ),

@@ -7,9 +7,9 @@ records written with another tokenizer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from pipeline.policy.chat import ChatTokenizer
 
@@ -42,7 +42,7 @@ class ChatFormat(Protocol):
     @property
     def assistant_header(self) -> list[int]: ...
 
-    def opening(self, prompt: str) -> list[int]: ...
+    def opening(self, prompt: str, tools: Sequence[Mapping[str, Any]] = ()) -> list[int]: ...
 
     def turn(self, role: str, text: str) -> list[int]: ...
 
@@ -105,8 +105,9 @@ class ByteTokenizer:
         """Tokens that open the policy's turn."""
         return [self.special["<assistant>"]]
 
-    def opening(self, prompt: str) -> list[int]:
-        """Tokens of the conversation up to the first policy turn."""
+    def opening(self, prompt: str, tools: Sequence[Mapping[str, Any]] = ()) -> list[int]:
+        """Tokens of the conversation up to the first policy turn. The byte format has no
+        template to list ``tools`` in: its environments' prompts describe their tools."""
         return [self.bos, *self.turn("user", prompt)]
 
     def parse_call(self, tokens: Sequence[int], stopped: int | None) -> tuple[str, str] | None:

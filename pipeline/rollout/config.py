@@ -101,6 +101,9 @@ class ProducerConfig:
     env: str = "guess"
     #: environment constructor options (a VALUE is read as JSON if it parses)
     env_options: Mapping[str, Any] = field(default_factory=dict)
+    #: MCP servers whose tools every episode gets besides the environment's own:
+    #: mcp:COMMAND (a child process over stdio) or mcp:URL (streamable HTTP); repeatable
+    tools: tuple[str, ...] = ()
     #: simulated environment latency, median in milliseconds (log-normal; 0: none)
     latency_ms: float = 0.0
     #: its log-normal shape
@@ -167,6 +170,7 @@ class ProducerConfig:
             ("max_consecutive_failures", self.max_consecutive_failures, 0),
         ):
             check_range(name, value, low)
+        check_tools(self.tools)
         if any(str(r) == "none" for r in self.checkpoint_roots):
             if len(self.checkpoint_roots) > 1:
                 raise InvalidConfigError(
@@ -177,8 +181,10 @@ class ProducerConfig:
 
     @property
     def env_kwargs(self) -> dict[str, Any]:
-        """What the environment is built with: its options, and the simulated latency."""
-        return with_latency(self.env_options, self.latency_ms, self.latency_sigma)
+        """What the environment is built with: its options, the simulated latency and
+        the MCP servers of its tools."""
+        kw = with_latency(self.env_options, self.latency_ms, self.latency_sigma)
+        return {**kw, "tools": self.tools} if self.tools else kw
 
 
 @dataclass(frozen=True)
@@ -192,6 +198,9 @@ class EvalConfig:
     env: str = ProducerConfig.env
     #: environment constructor options (a VALUE is read as JSON if it parses)
     env_options: Mapping[str, Any] = field(default_factory=dict)
+    #: MCP servers whose tools every episode gets besides the environment's own:
+    #: mcp:COMMAND (a child process over stdio) or mcp:URL (streamable HTTP); repeatable
+    tools: tuple[str, ...] = ()
     #: a weights/v<N> folder (None: the initial parameters of model_seed)
     weights: Path | None = None
     #: the policy: a preset's name (tiny, small, base), a Hugging Face checkpoint directory
@@ -207,3 +216,14 @@ class EvalConfig:
     temperature: float = SamplingConfig.temperature
     #: seed of the held-out tasks
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_tools(self.tools)
+
+
+def check_tools(specs: tuple[str, ...]) -> None:
+    """Every ``--tools`` value names an MCP server (mcp:COMMAND or mcp:URL)."""
+    from connectors.mcp import check_spec
+
+    for spec in specs:
+        check_spec(spec)

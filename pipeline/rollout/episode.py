@@ -153,7 +153,9 @@ async def run_episode(
     try:
         t0 = time.perf_counter()
         prompt = await timed(env.reset(member.task), "env_reset")
-        rec.context("user", tokenizer.opening(prompt), time.perf_counter() - t0)
+        # the environment's tools (its own and its MCP servers'), as the template lists them
+        listed = env.tools.describe() if env.tools is not None else ()
+        rec.context("user", tokenizer.opening(prompt, listed), time.perf_counter() - t0)
         fed = 0  # tokens of rec already handed to the policy
         for turn_index in range(limits.max_policy_turns):
             t0 = time.perf_counter()

@@ -11,7 +11,7 @@ import asyncio
 import random
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,6 +64,7 @@ def evaluate(
     limits: EpisodeLimits | None = None,
     sampling: SamplingConfig | None = None,
     stop_sequences: tuple[str, ...] = (),
+    tools: Sequence[str] = (),
 ) -> EvalResult:
     """Play ``episodes`` held-out episodes with ``params`` (an ``nnx.State`` of parameters,
     e.g. from :func:`pipeline.policy.checkpoint.restore_params`), or with the initial parameters
@@ -78,7 +79,7 @@ def evaluate(
         stop_sequences=tuple(tuple(tokenizer.encode(s)) for s in stop_sequences),
     )
     limits = limits or EpisodeLimits()
-    options = dict(env_options or {})
+    options = {**(env_options or {}), **({"tools": tuple(tools)} if tools else {})}
     rng = random.Random(HELD_OUT_SEED + seed)
     tasks = [make(env, **options).sample_task(rng) for _ in range(episodes)]
 
@@ -136,6 +137,7 @@ def evaluate_weights(
     max_new_tokens: int = EpisodeLimits.max_new_tokens,
     temperature: float = 1.0,
     env_options: Mapping[str, Any] | None = None,
+    tools: Sequence[str] = (),
 ) -> EvalResult:
     """:func:`evaluate` of the parameters a trainer saved at ``weights`` (a
     ``weights/v<N>`` folder: full parameters, or LoRA adapters on their base), or of the
@@ -161,6 +163,7 @@ def evaluate_weights(
         seed=seed,
         limits=EpisodeLimits(max_new_tokens=max_new_tokens),
         sampling=SamplingConfig(temperature, 1.0, seed),
+        tools=tools,
     )
 
 

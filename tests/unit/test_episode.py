@@ -191,14 +191,14 @@ def test_a_checkpoints_chat_template_lays_out_the_episode(tmp_path: Any) -> None
         run_episode(make("calc"), member(task=task), policy, 0, tok, EpisodeLimits(8), "p")  # type: ignore[arg-type]
     )
     assert t.status == "ok" and t.reward == 1.0 and t.tokenizer_id == tok.id
-    prompt = tok.decode(t.tokens[: t.turns[0].end].tolist(), specials=True)
     messages = [
-        {"role": "user", "content": prompt.split("\n", 1)[1].removesuffix("<|im_end|>\n")},
+        {"role": "user", "content": asyncio.run(make("calc").reset(task))},
         {"role": "assistant", "content": call_text},
         {"role": "tool", "content": "42"},
         {"role": "assistant", "content": "42"},
     ]
-    rendered = tok.encode(tok.render(messages))
+    # the template lists the environment's tools, as transformers' tools= does
+    rendered = tok.encode(tok.render(messages, tools=make("calc").tools.describe()))
     assert t.tokens.tolist() == rendered[: len(t.tokens)]
     assert tok.decode(rendered[len(t.tokens) :], specials=True) == "\n"  # after the last turn
     assert next(turn for turn in t.turns if turn.role == "tool").tool_name == "calc"

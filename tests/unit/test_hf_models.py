@@ -260,6 +260,22 @@ def test_templates_render_as_transformers_renders_them(
     assert ids == [int(i) for i in ref["chat_ids"]]
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_environments_tools_are_listed_as_transformers_lists_them(
+    family: str, checkpoints: dict[str, Path]
+) -> None:
+    """The opening of a conversation with tools: the token ids of transformers'
+    apply_chat_template(tools=...) (``make_tools_reference.py``)."""
+    ref = json.loads((FIXTURES / f"{family}_tools.json").read_text())
+    tok = ChatTokenizer.load(checkpoints[family])
+    tools = [t["function"] for t in ref["tools"]]
+    assert tok.opening(ref["prompt"], tools) == ref["ids"]
+    assert tok.opening(ref["prompt"], tools) == ref["ids"]  # kept, the same
+    if family != "llama":  # its template lists no tools: the same opening either way
+        assert tok.opening(ref["prompt"]) != ref["ids"]
+        assert '"name": "add"' in tok.decode(ref["ids"])
+
+
 def test_tool_calls_use_the_templates_format(checkpoints: dict[str, Path]) -> None:
     tok = ChatTokenizer.load(checkpoints["qwen2"])
     assert tok.call is not None and tok.end_call is not None
