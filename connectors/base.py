@@ -171,6 +171,13 @@ ADAPTERS: dict[str, Adapter] = {
             "envs",
             "any single-player TextArena game: textarena:ENV_ID (options: the game's keywords)",
         ),
+        Adapter(
+            "openenv",
+            "connectors.openenv:OpenEnv",
+            "aiohttp",
+            "envs",
+            "an OpenEnv server: openenv:URL (options: action_field, observation_field)",
+        ),
     )
 }
 
@@ -319,9 +326,13 @@ def env_name(name: str, options: Mapping[str, Any] | None = None) -> str:
     options = dict(options or {})
     if isinstance(options.get("name"), str):
         return str(options["name"])
-    found = str(getattr(factory(name), "name", "") or name)
-    # an adapter's argument or a user's package.module:Class: a name a topic can carry
-    return "".join(c if c.isalnum() or c in "._-" else "-" for c in found)[:200]
+    return topic_safe(str(getattr(factory(name), "name", "") or name))
+
+
+def topic_safe(text: str) -> str:
+    """``text`` as a name a Kafka topic can carry (an adapter's argument, a URL, a user's
+    package.module:Class): other characters become ``-``."""
+    return "".join(c if c.isalnum() or c in "._-" else "-" for c in text)[:200]
 
 
 class SharedResource(Protocol):

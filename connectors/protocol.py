@@ -41,17 +41,25 @@ class RemoteError(ConnectorError):
         self.status = status
 
 
-def decode(raw: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> dict[str, Any]:
-    """One message: a JSON object of this protocol's version, or :class:`ConnectorError`
-    (``oversized``, ``malformed``, ``version``)."""
+def parse_object(raw: bytes | str, max_bytes: int = MAX_MESSAGE_BYTES) -> dict[str, Any]:
+    """A JSON object of at most ``max_bytes`` (NaN and infinities refused), or
+    :class:`ConnectorError` (``oversized``, ``malformed``)."""
     if len(raw) > max_bytes:
         raise ConnectorError("oversized", f"message of {len(raw)} bytes (limit {max_bytes})")
     try:
-        msg = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        msg = json.loads(text, parse_constant=_no_constant)
     except (UnicodeDecodeError, json.JSONDecodeError, ValueError, RecursionError) as e:
         raise ConnectorError("malformed", f"not JSON: {str(e)[:200]}") from None
     if not isinstance(msg, dict):
         raise ConnectorError("malformed", f"not a JSON object but {type(msg).__name__}")
+    return msg
+
+
+def decode(raw: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> dict[str, Any]:
+    """One message: a JSON object of this protocol's version, or :class:`ConnectorError`
+    (``oversized``, ``malformed``, ``version``)."""
+    msg = parse_object(raw, max_bytes)
     version = msg.get("version")
     if type(version) is not int or version != PROTOCOL_VERSION:  # (True == 1 in Python)
         raise ConnectorError(
