@@ -54,6 +54,25 @@ class SeedTask(Task):
         return cls(f"seed-{seed}", {}, seed)
 
 
+#: seeds of seeded tasks are drawn below this
+SEEDS = 2**31
+
+
+def seeded_task(name: str, rng: random.Random) -> Task:
+    """A task of environment ``name`` that is one seed (``params["seed"]``) of a game or
+    a dataset generated from it (reasoning-gym's, TextArena's)."""
+    seed = rng.randrange(SEEDS)
+    return Task(f"{name}-{seed}", {"seed": seed})
+
+
+def seed_of(task: Task, what: str) -> int:
+    """The seed of a :func:`seeded_task`; ValueError for anything else a task may carry."""
+    seed = task.params.get("seed")
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < SEEDS:
+        raise ValueError(f"{what} task {task.task_id!r} has no valid seed")
+    return seed
+
+
 @dataclass(frozen=True)
 class Step:
     """The environment's answer to one action."""

@@ -19,11 +19,8 @@ import math
 import random
 from typing import Any
 
-from connectors.base import Environment, Step, Task
+from connectors.base import Environment, Step, Task, seed_of, seeded_task
 from pipeline.errors import InvalidConfigError
-
-#: seeds of tasks are drawn below this
-_SEEDS = 2**31
 
 
 class ReasoningGym(Environment):
@@ -65,14 +62,10 @@ class ReasoningGym(Environment):
         return entry
 
     def sample_task(self, rng: random.Random) -> Task:
-        seed = rng.randrange(_SEEDS)
-        return Task(f"{self.name}-{seed}", {"seed": seed})
+        return seeded_task(self.name, rng)
 
     async def reset(self, task: Task) -> str:
-        seed = task.params.get("seed")
-        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < _SEEDS:
-            raise ValueError(f"reasoning-gym task {task.task_id!r} has no valid seed")
-        self._entry = self._build(seed)
+        self._entry = self._build(seed_of(task, "reasoning-gym"))
         self._tries = 0
         return str(self._entry["question"])
 

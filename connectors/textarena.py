@@ -19,11 +19,8 @@ import math
 import random
 from typing import Any
 
-from connectors.base import Environment, Step, Task
+from connectors.base import Environment, Step, Task, seed_of, seeded_task
 from pipeline.errors import InvalidConfigError
-
-#: seeds of games are drawn below this
-_SEEDS = 2**31
 
 
 class TextArena(Environment):
@@ -74,14 +71,10 @@ class TextArena(Environment):
         return self._cut(self._seen.strip())
 
     def sample_task(self, rng: random.Random) -> Task:
-        seed = rng.randrange(_SEEDS)
-        return Task(f"{self.name}-{seed}", {"seed": seed})
+        return seeded_task(self.name, rng)
 
     async def reset(self, task: Task) -> str:
-        seed = task.params.get("seed")
-        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < _SEEDS:
-            raise ValueError(f"textarena task {task.task_id!r} has no valid seed")
-        return self._start(seed)
+        return self._start(seed_of(task, "textarena"))
 
     async def step(self, action: str) -> Step:
         if not self._playing:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from pipeline.policy.tokenizer import ByteTokenizer
 from pipeline.rollout.config import EpisodeLimits
 from pipeline.rollout.episode import GroupSlot, run_episode
 from pipeline.testing import ScriptedPolicy
+from tests.servers import serving
 
 ROOT = Path(__file__).resolve().parents[2]
 STDIO = f"mcp:{sys.executable} -m tests.mcp_server"
@@ -164,27 +164,8 @@ def test_servers_that_never_speak_mcp_are_refused_with_a_reason() -> None:
 
 @pytest.fixture
 def http_server() -> Iterator[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.mcp_server", "http", str(port)],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", port), 0.5).close()
-                break
-            except OSError:
-                time.sleep(0.2)
+    with serving(lambda port: ["-m", "tests.mcp_server", "http", str(port)]) as port:
         yield f"mcp:http://127.0.0.1:{port}/mcp"
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def test_a_server_over_streamable_http(http_server: str) -> None:

@@ -6,10 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,37 +14,15 @@ import pytest
 
 from connectors.base import SeedTask, close_shared, env_name, make
 from pipeline.errors import InvalidConfigError
+from tests.servers import free_port, serving
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.openenv_server", str(port)],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", port), 0.5).close()
-                break
-            except OSError:
-                time.sleep(0.2)
+    with serving(lambda port: ["-m", "tests.openenv_server", str(port)]) as port:
         yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()  # a session still asleep in its step keeps it from stopping
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
 
 
 def episode(url: str, task: SeedTask, policy: Any, **options: Any) -> tuple[str, list[Any]]:
@@ -117,9 +91,7 @@ def test_a_server_that_answers_badly_ends_the_episode_with_a_reason(server: str)
     with pytest.raises(protocol.RemoteError):
         episode(server, task, lambda _: "5", action_field="not_a_field")
     # a server that is not there
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        nowhere = f"http://127.0.0.1:{s.getsockname()[1]}"
+    nowhere = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(protocol.ConnectorError, match="connection"):
         episode(nowhere, task, lambda _: "5")
 
