@@ -57,6 +57,8 @@ def cmd_env(args: argparse.Namespace) -> int:
             need = "" if installed else f" (needs pip install 'rlstream[{adapter.extra}]')"
             print(f"{adapter.prefix}:NAME  {adapter.what}{need}")
         print("package.module:Class  your own connectors.base.Environment subclass")
+        need = "" if importlib.util.find_spec("mcp") else " (needs pip install 'rlstream[envs]')"
+        print(f"--tools mcp:COMMAND|mcp:URL  an MCP server's tools, for any environment{need}")
         return 0
     if args.action == "tools":
         return _list_tools(args)

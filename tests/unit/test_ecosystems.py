@@ -117,6 +117,8 @@ def test_env_list_shows_the_built_ins_the_ecosystems_and_the_users_own(
     far = next(line for line in out if line.startswith("elsewhere:"))
     assert "pip install 'rlstream[more]'" in far
     assert any(line.startswith("package.module:Class") for line in out)
+    for prefix in ("textarena:", "openenv:", "--tools mcp:"):
+        assert any(line.startswith(prefix) and "needs" not in line for line in out), prefix
 
 
 def _hanoi_moves(n: int, a: str = "A", b: str = "B", c: str = "C") -> list[str]:
