@@ -208,7 +208,8 @@ def _java_tool(main_class: str, *tool_args: str) -> str:
     logs.mkdir(parents=True, exist_ok=True)
     cmd = [
         java,
-        "-Xmx512m",
+        # the producer's buffer.memory (512 MiB) and room besides: a 512 MiB heap ran out
+        "-Xmx1536m",
         f"-Dkafka.logs.dir={logs}",
         f"-Dlog4j2.configurationFile={home / 'log4j2.properties'}",
         "-cp",
