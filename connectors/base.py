@@ -316,10 +316,9 @@ class WithTools(Environment):
                 await server.aclose()
                 server = renew(("mcp", spec), make_server)
             for tool in await server.connect():
-                if tool.name in served or (self.inner.tools and tool.name in self.inner.tools):
-                    raise InvalidConfigError(f"tool {tool.name!r} is offered twice ({spec})")
                 served.add(tool)
         self._served = served
+        # a name offered twice (by two servers, or a server and the environment) is refused
         self.tools = ToolRegistry([*(self.inner.tools or []), *served])
         return await self.inner.reset(task)
 

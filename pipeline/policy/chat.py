@@ -130,7 +130,7 @@ class ChatTokenizer:
         """The template's text of ``messages`` with ``tools`` (each ``{"name",
         "description", "parameters"}``) listed (rendered within the bounds of
         :mod:`pipeline.policy.template`; episodes never call this)."""
-        listed = [{"type": "function", "function": dict(t)} for t in tools] or None
+        listed = _functions(tools) or None
         return render_bounded(
             self.template_source, self.specials, [(messages, add_generation_prompt)], listed
         )[0]
@@ -200,7 +200,7 @@ class ChatTokenizer:
         Each distinct list of tools is rendered once (within bounds) and kept."""
         if not tools:
             return self.encode(self._opening.text(prompt))
-        listed = [{"type": "function", "function": dict(t)} for t in tools]
+        listed = _functions(tools)
         key = json.dumps(listed, sort_keys=True, default=str)
         piece = self._openings.get(key)
         if piece is None:
@@ -244,6 +244,12 @@ class ChatTokenizer:
         if isinstance(args, dict) and len(args) == 1:
             args = next(iter(args.values()))
         return call["name"], args if isinstance(args, str) else json.dumps(args)
+
+
+def _functions(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Tools (``{"name", "description", "parameters"}``) as transformers passes them to a
+    chat template."""
+    return [{"type": "function", "function": dict(t)} for t in tools]
 
 
 class _Piece(NamedTuple):
