@@ -80,6 +80,8 @@ class Step:
     observation: str
     reward: float = 0.0
     done: bool = False
+    #: anything the environment reports; ``info["rewards"]``, names to finite numbers, are
+    #: the reward's components (a rubric's functions), kept in the trajectory's ``rewards``
     info: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -122,6 +124,12 @@ class Environment(abc.ABC):
     @abc.abstractmethod
     def sample_task(self, rng: random.Random) -> Task:
         """A new task (the environment's randomness comes from ``rng`` only)."""
+
+    def held_out_task(self, rng: random.Random) -> Task:
+        """A task for held-out evaluation: by default one of :meth:`sample_task`'s, drawn
+        from a stream producers do not use; an environment with a held-out set of its own
+        (a dataset's evaluation split) draws from that."""
+        return self.sample_task(rng)
 
     @abc.abstractmethod
     async def reset(self, task: Task) -> str:
@@ -189,6 +197,13 @@ ADAPTERS: dict[str, Adapter] = {
             "textarena",
             "envs",
             "any single-player TextArena game: textarena:ENV_ID (options: the game's keywords)",
+        ),
+        Adapter(
+            "verifiers",
+            "connectors.verifiers:Verifiers",
+            "verifiers",
+            "verifiers",
+            "a verifiers environment: verifiers:MODULE (options: its load_environment's arguments)",
         ),
         Adapter(
             "openenv",
@@ -304,6 +319,9 @@ class WithTools(Environment):
 
     def sample_task(self, rng: random.Random) -> Task:
         return self.inner.sample_task(rng)
+
+    def held_out_task(self, rng: random.Random) -> Task:
+        return self.inner.held_out_task(rng)
 
     async def reset(self, task: Task) -> str:
         from connectors.mcp import McpServer

@@ -4,7 +4,9 @@
 #   infra/dev.sh run [ARGS...]   the main job (`rlstream run`) on a local Kafka broker
 #   infra/dev.sh test [PYTEST ARGS...]
 #                                lint, type checks, unit and integration tests against a
-#                                real local Kafka broker that it starts and always stops
+#                                real local Kafka broker that it starts and always stops;
+#                                without arguments also tests/verifiers_suite, in a second
+#                                virtual environment (.venv-verifiers)
 #
 # Needs Python 3.11+, Java 17+ and (once, to fetch the Kafka jars) Maven.
 set -euo pipefail
@@ -33,7 +35,7 @@ preflight() {
   fi
 }
 
-# setup EXTRA: the virtual environment with rlstream and, for EXTRA "test", its test tools
+# setup [EXTRA]: the virtual environment $venv with rlstream and the extra (test, test-verifiers)
 setup() {
   preflight
   # a venv left half-made (an interrupted creation, a Python without ensurepip) is made again
@@ -46,9 +48,9 @@ setup() {
     "$python" -m venv "$venv" || { rm -rf "$venv"; die "could not create $venv with $python"; }
   fi
   local spec="." stamp="$venv/.rlstream-installed"
-  if [ "${1:-}" = test ]; then
-    spec=".[test]"
-    stamp="$venv/.rlstream-installed-test"
+  if [ -n "${1:-}" ]; then
+    spec=".[$1]"
+    stamp="$venv/.rlstream-installed-$1"
   fi
   # installed again when the packaging or the C codec changed (it is compiled at install)
   local changed=""
@@ -97,7 +99,24 @@ case "$cmd" in
     if [ "$rc" -eq 5 ]; then
       echo "rlstream: pytest collected no tests" >&2
     fi
-    exit "$rc"
+    # verifiers environments, in an environment of their own: verifiers' classic API needs
+    # mcp<2, the suite above mcp>=2.3 (skipped when pytest was given arguments)
+    vrc=0
+    if [ "$#" -eq 0 ]; then
+      echo "== pytest (verifiers environments, in ${RLSTREAM_VERIFIERS_VENV:-$root/.venv-verifiers})"
+      main_python="$venv/bin/python"
+      (venv="${RLSTREAM_VERIFIERS_VENV:-$root/.venv-verifiers}"; setup test-verifiers)
+      set +e
+      RLSTREAM_CLIENT_PYTHON="$main_python" \
+        "${RLSTREAM_VERIFIERS_VENV:-$root/.venv-verifiers}/bin/python" -m pytest tests/verifiers_suite
+      vrc=$?
+      set -e
+      if [ "$vrc" -eq 5 ]; then
+        echo "rlstream: pytest collected no verifiers tests" >&2
+      fi
+    fi
+    if [ "$rc" -ne 0 ]; then exit "$rc"; fi
+    exit "$vrc"
     ;;
   *)
     echo "usage: infra/dev.sh run [rlstream run args] | test [pytest args]" >&2

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -196,6 +197,7 @@ async def run_episode(
                     f"reward {step.reward!r} brings the episode's to {reward!r}, past "
                     f"{limits.max_abs_reward:g}"
                 )
+            rewards.update(_components(step.info))
             if step.done:
                 break
             rec.context(
@@ -218,6 +220,8 @@ async def run_episode(
             await asyncio.wait_for(env.close(), limits.step_timeout_s)
         except Exception:  # closing is best effort
             pass
+    if status != "ok":  # an episode that did not end well has no components to report
+        rewards.clear()
     rewards["env"] = reward
     tracer().record(
         "episode",
@@ -247,6 +251,31 @@ async def run_episode(
             META_TEMPERATURE: repr(server.engine.sampling.logprob_temperature),
         },
     )
+
+
+#: the most reward components an environment's step may report, and their names' length
+MAX_COMPONENTS, MAX_COMPONENT_NAME = 32, 64
+
+
+def _components(info: Mapping[str, Any]) -> dict[str, float]:
+    """The reward's components an environment reported (``info["rewards"]``): names to
+    finite numbers, bounded; anything else in it is left out (``env`` is the reward's)."""
+    given = info.get("rewards") if isinstance(info, Mapping) else None
+    if not isinstance(given, Mapping):
+        return {}
+    out: dict[str, float] = {}
+    for name, value in list(given.items())[:MAX_COMPONENTS]:
+        if (
+            isinstance(name, str)
+            and name
+            and name != "env"
+            and len(name) <= MAX_COMPONENT_NAME
+            and isinstance(value, int | float)
+            and not isinstance(value, bool)
+            and math.isfinite(value)
+        ):
+            out[name] = float(value)
+    return out
 
 
 def _trajectory(

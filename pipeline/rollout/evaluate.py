@@ -81,7 +81,7 @@ def evaluate(
     limits = limits or EpisodeLimits()
     options = {**(env_options or {}), **({"tools": tuple(tools)} if tools else {})}
     rng = random.Random(HELD_OUT_SEED + seed)
-    tasks = [make(env, **options).sample_task(rng) for _ in range(episodes)]
+    tasks = [make(env, **options).held_out_task(rng) for _ in range(episodes)]
 
     async def play() -> list[Any]:
         free = asyncio.Queue[int]()

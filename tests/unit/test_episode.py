@@ -322,3 +322,60 @@ def test_a_tracer_details_at_least_every_slot() -> None:
     assert not NullTracer().detailed(0)
     with pytest.raises(ValueError, match="detail_every"):
         Tracer("p", detail_every=0)
+
+
+class Components(Environment):
+    """Reports reward components as given (``info["rewards"]``), then ends."""
+
+    name = "components"
+
+    def __init__(self, given: Any, reward: float = 1.0) -> None:
+        self.given, self.reward = given, reward
+
+    def sample_task(self, rng: random.Random) -> Task:
+        return Task("c")
+
+    async def reset(self, task: Task) -> str:
+        return "go"
+
+    async def step(self, action: str) -> Step:
+        return Step("", self.reward, True, {"rewards": self.given})
+
+
+def test_reward_components_are_kept_only_when_finite_named_and_bounded() -> None:
+    from pipeline.rollout.episode import MAX_COMPONENT_NAME, MAX_COMPONENTS
+
+    def play(given: Any, reward: float = 1.0) -> dict[str, float]:
+        t = asyncio.run(
+            run_episode(
+                Components(given, reward),
+                member(),
+                ScriptedPolicy([[*TOK.encode("x"), TOK.eos]]),  # type: ignore[arg-type]
+                0,
+                TOK,
+                EpisodeLimits(max_new_tokens=4),
+                "p",
+            )
+        )
+        TrajectoryCodec().encode(t)  # always a valid record
+        return dict(t.rewards)
+
+    assert play({"correct": 1, "format": 0.25}) == {"correct": 1.0, "format": 0.25, "env": 1.0}
+    hostile = {
+        "nan": float("nan"),
+        "inf": float("-inf"),
+        "flag": True,
+        "text": "1.0",
+        "none": None,
+        "env": 99.0,  # the reward's own name is not an environment's to set
+        "": 1.0,
+        "x" * (MAX_COMPONENT_NAME + 1): 1.0,
+        7: 1.0,
+        "kept": -2.5,
+    }
+    assert play(hostile) == {"kept": -2.5, "env": 1.0}
+    assert play([1, 2]) == {"env": 1.0} and play("rewards") == {"env": 1.0}
+    many = play({f"c{i}": float(i) for i in range(1000)})
+    assert len(many) == MAX_COMPONENTS + 1 and many["c0"] == 0.0
+    # an episode that fails reports no component (a reward past the bound: env_error)
+    assert set(play({"kept": 1.0}, reward=1e300)) == {"env"}
