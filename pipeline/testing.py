@@ -129,6 +129,19 @@ class ScriptedPolicy:
         tok = tokenizer or ByteTokenizer()
         self._stops = tok.stop_tokens
 
+    @classmethod
+    def says(cls, *texts: str) -> ScriptedPolicy:
+        """A byte-tokenizer policy answering each turn with the next text; a text that
+        starts with ``<call>`` is a tool call (``<call>NAME ARGUMENTS``)."""
+        tok = ByteTokenizer()
+        turns = []
+        for t in texts:
+            if t.startswith("<call>"):
+                turns.append([tok.call, *tok.encode(t[len("<call>") :]), tok.end_call])
+            else:
+                turns.append([*tok.encode(t), tok.eos])
+        return cls(turns, tok)
+
     def room(self, slot: int) -> int:
         return 1000
 

@@ -33,15 +33,7 @@ TOK = ByteTokenizer()
 LIMITS = EpisodeLimits(max_new_tokens=8, max_policy_turns=8, step_timeout_s=20)
 
 
-def says(*texts: str) -> ScriptedPolicy:
-    """A policy answering each turn with the next text (``<call>..`` for a tool call)."""
-    turns = []
-    for t in texts:
-        if t.startswith("<call>"):
-            turns.append([TOK.call, *TOK.encode(t[len("<call>") :]), TOK.end_call])
-        else:
-            turns.append([*TOK.encode(t), TOK.eos])
-    return ScriptedPolicy(turns)
+says = ScriptedPolicy.says
 
 
 async def episode(env: Environment, policy: ScriptedPolicy, task: Task | None = None) -> Trajectory:

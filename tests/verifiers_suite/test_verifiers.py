@@ -43,15 +43,14 @@ def env_vars() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path}
 
 
-def says(*texts: str) -> ScriptedPolicy:
-    """A policy answering each turn with the next text (``<call>..`` for a tool call)."""
-    turns = []
-    for t in texts:
-        if t.startswith("<call>"):
-            turns.append([TOK.call, *TOK.encode(t[len("<call>") :]), TOK.end_call])
-        else:
-            turns.append([*TOK.encode(t), TOK.eos])
-    return ScriptedPolicy(turns)
+says = ScriptedPolicy.says
+
+
+def figures(cmd: list[str]) -> dict[str, Any]:
+    """The ``figures`` of an rlstream command's JSON line; it must exit 0."""
+    out = subprocess.run(cmd, cwd=ROOT, env=env_vars(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return dict(json.loads(out.stdout.strip().splitlines()[-1])["figures"])
 
 
 def episode(
@@ -189,18 +188,9 @@ def test_a_task_that_names_no_row_is_an_episode_error() -> None:
 
 
 def test_rlstream_eval_runs_a_verifiers_environment() -> None:
-    out = subprocess.run(
-        [*RLSTREAM, "eval", "--env", "verifiers:vf_guess", "--episodes", "8", "--json"],
-        cwd=ROOT,
-        env=env_vars(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    figures = json.loads(out.stdout.strip().splitlines()[-1])["figures"]
-    assert figures["episodes"] == 8 and sum(figures["statuses"].values()) == 8
-    assert set(figures["statuses"]) <= {"ok", "truncated"}
+    got = figures([*RLSTREAM, "eval", "--env", "verifiers:vf_guess", "--episodes", "8", "--json"])
+    assert got["episodes"] == 8 and sum(got["statuses"].values()) == 8
+    assert set(got["statuses"]) <= {"ok", "truncated"}
 
 
 @pytest.fixture
@@ -226,20 +216,14 @@ def test_a_served_verifiers_environment_plays_for_a_client_without_verifiers(ser
     if client != sys.executable:  # the main environment: verifiers is not there at all
         probe = subprocess.run([client, "-c", "import verifiers"], capture_output=True)
         assert probe.returncode != 0
-    out = subprocess.run(
+    got = figures(
         [
             *(client, "-m", "pipeline.cli", "eval", "--env", "http"),
             *("--env-option", f"url={served}", "--env-option", "name=verifiers-vf_calc"),
             *("--episodes", "4", "--json"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        ]
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    figures = json.loads(out.stdout.strip().splitlines()[-1])["figures"]
-    assert figures["episodes"] == 4 and set(figures["statuses"]) <= {"ok", "truncated"}
+    assert got["episodes"] == 4 and set(got["statuses"]) <= {"ok", "truncated"}
 
 
 @pytest.mark.integration
@@ -250,20 +234,14 @@ def test_a_producer_writes_the_rubrics_components_into_each_record(
     from pipeline.kafka.topics import rollout_topic
     from pipeline.kafka.transport import Decoded, TrajectoryReader
 
-    out = subprocess.run(
+    produced = figures(
         [
             *(*RLSTREAM, "produce", "--bootstrap", bootstrap, "--namespace", namespace),
             *("--env", "verifiers:vf_arith", "--max-episodes", "16", "--concurrency", "8"),
             *("--group-size", "4", "--max-staleness", "-1", "--json"),
-        ],
-        cwd=ROOT,
-        env=env_vars(),
-        capture_output=True,
-        text=True,
-        timeout=300,
+        ]
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1])["figures"]["delivered"] == 16
+    assert produced["delivered"] == 16
     reader = TrajectoryReader(
         KafkaConfig(bootstrap=bootstrap),
         [rollout_topic(namespace, "verifiers-vf_arith")],
