@@ -15,12 +15,15 @@ the dataset does not have is refused with the dataset's reason.
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 import random
 from typing import Any
 
-from connectors.base import Environment, Step, Task, seed_of, seeded_task
+from connectors.base import SEEDS, Environment, Step, Task, seed_of, seeded_task
 from pipeline.errors import InvalidConfigError
+from pipeline.records.trajectory import SOLVED
 
 
 class ReasoningGym(Environment):
@@ -79,11 +82,37 @@ class ReasoningGym(Environment):
             raise ValueError(f"score_answer gave {score!r}")
         last = self._tries >= self.attempts
         solved = score >= 1.0
-        info = {"solved": solved, "score": score}
+        # success is solving it: datasets give partial credit (basic_arithmetic 0.2 for any
+        # number), which a positive reward would count
+        info = {"solved": solved, "score": score, "rewards": {SOLVED: float(solved)}}
         if solved or last:
             return Step("Correct." if solved else "Not correct.", score, True, info)
         left = self.attempts - self._tries
         return Step(f"Not correct. Try again ({left} left).", 0.0, False, info)
+
+    def random_success(self) -> float | None:
+        """The success of answering with the answer of another task of the same dataset
+        (its answers' distribution, the random valid answer), over 200 pairs of tasks."""
+        return _answer_prior(self.dataset, json.dumps(self.config, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=64)
+def _answer_prior(dataset: str, config_json: str, pairs: int = 200) -> float | None:
+    import reasoning_gym
+
+    rng = random.Random(0)
+    try:
+        data = reasoning_gym.create_dataset(
+            dataset, size=2 * pairs, seed=rng.randrange(SEEDS), **json.loads(config_json)
+        )
+        entries = [data[i] for i in range(2 * pairs)]
+        solved = sum(
+            float(data.score_answer(str(entries[pairs + i]["answer"]), entries[i])) >= 1.0
+            for i in range(pairs)
+        )
+    except Exception:  # a dataset whose entries cannot be scored so: no baseline known
+        return None
+    return solved / pairs
 
 
 def _answer(text: str) -> str:

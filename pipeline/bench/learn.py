@@ -10,6 +10,9 @@ what random answers reach (``gain_over_random_*``: what was learned beyond the a
 format; the gate, where the environment knows its random baseline), and the longest wall
 time of a whole run (start-up, training, both evaluations).
 
+``--env`` and ``--env-option`` set the environment of every run (any adapter:
+``--env reasoning-gym:letter_counting --env-option min_words=3``).
+
 ``--grid KEY=V1,V2,...`` (repeatable; any setting of ``rlstream run`` by its dotted name)
 runs every combination of the values, each over the same seeds (``--first-seed`` on),
 and reports the figures per combination: the staleness ablation is
@@ -32,7 +35,7 @@ from pipeline.launch.cluster import Cluster
 from pipeline.launch.config import RunConfig
 from pipeline.launch.run import Run
 from pipeline.launch.stop import process_flag
-from pipeline.settings import leaf_paths, resolve
+from pipeline.settings import leaf_paths, parse_item, resolve
 
 
 def grid(items: list[str]) -> list[dict[str, Any]]:
@@ -70,7 +73,11 @@ def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     base = Path(args.run_dir or f"runs/bench-learn-{stamp}")
     combos = grid(list(getattr(args, "grid", None) or []))
-    fixed = {"steps": args.steps} if args.steps else {}
+    fixed: dict[str, Any] = {"steps": args.steps} if args.steps else {}
+    if getattr(args, "env", None):
+        fixed["env"] = args.env
+    if getattr(args, "env_option", None):
+        fixed["env_options"] = dict(parse_item(item) for item in args.env_option)
     configs = [resolve(RunConfig, {**fixed, **c}) for c in combos]  # refused before any run
     stop = process_flag()
     results: list[dict[str, Any]] = []

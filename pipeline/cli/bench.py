@@ -8,6 +8,7 @@ from typing import Any
 
 from pipeline.cli.common import (
     add_broker_args,
+    add_env_option_arg,
     add_json_arg,
     add_kafka_args,
     cluster,
@@ -113,6 +114,13 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--interval", type=float, default=1.5, help="seconds between announcements (weights)"
     )
+    p.add_argument(
+        "--env",
+        default=None,
+        help="learn: the environment of every run (any name rlstream env list shows; "
+        "default: the default run's)",
+    )
+    add_env_option_arg(p)
     add_kafka_args(p)
     add_broker_args(p)
     add_json_arg(p)

@@ -157,6 +157,17 @@ class Timings(NamedTuple):
     env_s: float = 0.0
 
 
+#: the reward component by which an environment says an episode solved its task
+SOLVED = "solved"
+
+
+def succeeded(reward: float, rewards: Mapping[str, float]) -> bool:
+    """An episode's success: ``rewards["solved"] > 0`` where the environment reports it,
+    else ``reward > 0``."""
+    solved = rewards.get(SOLVED)
+    return bool(solved > 0) if solved is not None else reward > 0
+
+
 @dataclass(slots=True, eq=False)
 class Trajectory:
     """One finished episode. Arrays are 1-D and of equal length ``T``:
@@ -191,6 +202,13 @@ class Trajectory:
     @property
     def num_tokens(self) -> int:
         return int(self.tokens.shape[0])
+
+    @property
+    def succeeded(self) -> bool:
+        """Whether the episode counts as a success: its environment's ``solved``
+        component where it reports one (environments that give partial credit, which a
+        positive reward would count), else a positive reward."""
+        return succeeded(self.reward, self.rewards)
 
     @property
     def min_version(self) -> int:

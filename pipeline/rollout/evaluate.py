@@ -117,7 +117,7 @@ def evaluate(
     rewards = [t.reward for t in trajectories]
     return EvalResult(
         episodes=len(rewards),
-        success=sum(r > 0 for r in rewards) / max(1, len(rewards)),
+        success=sum(t.succeeded for t in trajectories) / max(1, len(rewards)),
         reward_mean=sum(rewards) / max(1, len(rewards)),
         statuses=dict(Counter(t.status for t in trajectories)),
         seconds=time.perf_counter() - start,

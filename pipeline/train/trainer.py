@@ -530,8 +530,10 @@ class Trainer(PartitionReading):
         step = int(self.state.step)
         real = sum(mem.trajectory.num_tokens for mem in members)  # of this member's batch
         rewards: dict[str, list[float]] = {}
+        solved: dict[str, list[bool]] = {}
         for mem in members:
             rewards.setdefault(mem.trajectory.env, []).append(mem.trajectory.reward)
+            solved.setdefault(mem.trajectory.env, []).append(mem.trajectory.succeeded)
         m.update(
             {
                 "step": step,
@@ -545,7 +547,7 @@ class Trainer(PartitionReading):
                 "staleness_mean": float(np.mean(stale)) if stale else 0.0,
                 "staleness_hist": dict(Counter(int(s) for s in stale)),
                 "reward": {e: float(np.mean(r)) for e, r in rewards.items()},
-                "success": {e: float(np.mean([x > 0 for x in r])) for e, r in rewards.items()},
+                "success": {e: float(np.mean(r)) for e, r in solved.items()},
                 "drops": dict(self.drops),
                 "lag": self._lag(),
             }

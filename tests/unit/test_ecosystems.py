@@ -71,6 +71,54 @@ def test_reasoning_gym_scores_with_the_datasets_own_answer_check() -> None:
     assert _play(two, task, [wrong, wrong, right])[1:] == (0.0, 2)
 
 
+def test_reasoning_gym_success_is_solving_not_partial_credit() -> None:
+    from pipeline.records.trajectory import SOLVED, succeeded
+
+    env = make("reasoning-gym:basic_arithmetic", min_terms=2, max_terms=2)
+    task = env.sample_task(random.Random(5))
+    answer = _answer_of(task, min_terms=2, max_terms=2)
+
+    async def last_step(text: str) -> base.Step:
+        await env.reset(task)
+        return await env.step(text)
+
+    # an answer that contains the right one earns partial credit (its length's share):
+    # a positive reward, not a success
+    wrong = asyncio.run(last_step(f"{answer} or 99"))
+    assert 0 < wrong.reward < 1 and wrong.info["rewards"] == {SOLVED: 0.0}
+    assert not succeeded(wrong.reward, wrong.info["rewards"])
+    right = asyncio.run(last_step(answer))
+    assert right.reward == 1.0 and succeeded(right.reward, right.info["rewards"])
+    # environments that report no `solved` count a positive reward, as before
+    assert succeeded(0.5, {}) and not succeeded(0.0, {"env": 0.0})
+
+
+def _answer_of(task: base.Task, **config: int) -> str:
+    import reasoning_gym
+
+    entry = reasoning_gym.create_dataset(
+        "basic_arithmetic", size=1, seed=task.params["seed"], **config
+    )[0]
+    return str(entry["answer"])
+
+
+def test_reasoning_gym_random_baseline_is_answering_with_another_tasks_answer() -> None:
+    import reasoning_gym
+
+    # letter counting's answers are small counts: another question's answer is often right
+    options = {"min_words": 3, "max_words": 3}
+    rate = make("reasoning-gym:letter_counting", **options).random_success()
+    data = reasoning_gym.create_dataset("letter_counting", size=400, seed=11, **options)
+    direct = (
+        sum(data.score_answer(str(data[200 + i]["answer"]), data[i]) >= 1.0 for i in range(200))
+        / 200
+    )
+    assert rate is not None and 0.3 < rate < 0.8 and abs(rate - direct) < 0.15
+    # multi-digit arithmetic: almost never
+    arith = make("reasoning-gym:basic_arithmetic").random_success()
+    assert arith is not None and arith < 0.05
+
+
 def test_reasoning_gym_tasks_come_from_seeds_and_options_reach_the_dataset() -> None:
     env = make("reasoning-gym:basic_arithmetic", min_terms=2, max_terms=2)
     producer, held_out = random.Random(1), random.Random(1_000_003)
