@@ -15,10 +15,12 @@ the dataset does not have is refused with the dataset's reason.
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import math
 import random
+from collections.abc import Sequence
 from typing import Any
 
 from connectors.base import SEEDS, Environment, Step, Task, seed_of, seeded_task
@@ -91,28 +93,38 @@ class ReasoningGym(Environment):
         return Step(f"Not correct. Try again ({left} left).", 0.0, False, info)
 
     def random_success(self) -> float | None:
-        """The success of answering with the answer of another task of the same dataset
-        (its answers' distribution, the random valid answer), over 200 pairs of tasks."""
-        return _answer_prior(self.dataset, json.dumps(self.config, sort_keys=True))
+        """What an agent that ignores the question reaches, the better of: answering with
+        the answer of another question of the dataset (its answers' distribution: the
+        random valid answer) and always giving the dataset's most common answer; over 400
+        questions."""
+        return _question_blind(self.dataset, json.dumps(self.config, sort_keys=True))
 
 
 @functools.lru_cache(maxsize=64)
-def _answer_prior(dataset: str, config_json: str, pairs: int = 200) -> float | None:
+def _question_blind(dataset: str, config_json: str, n: int = 400) -> float | None:
     import reasoning_gym
 
     rng = random.Random(0)
     try:
         data = reasoning_gym.create_dataset(
-            dataset, size=2 * pairs, seed=rng.randrange(SEEDS), **json.loads(config_json)
+            dataset, size=n, seed=rng.randrange(SEEDS), **json.loads(config_json)
         )
-        entries = [data[i] for i in range(2 * pairs)]
-        solved = sum(
-            float(data.score_answer(str(entries[pairs + i]["answer"]), entries[i])) >= 1.0
-            for i in range(pairs)
-        )
+        entries = [data[i] for i in range(n)]
+        answers = [str(e["answer"]) for e in entries]
+        common = collections.Counter(answers).most_common(1)[0][0]
+        half = n // 2
+
+        def rate(given: Sequence[str], asked: Sequence[dict[str, Any]]) -> float:
+            right = (
+                float(data.score_answer(a, e)) >= 1.0 for a, e in zip(given, asked, strict=True)
+            )
+            return sum(right) / len(asked)
+
+        prior = rate(answers[half:], entries[:half])
+        constant = rate([common] * n, entries)
     except Exception:  # a dataset whose entries cannot be scored so: no baseline known
         return None
-    return solved / pairs
+    return max(prior, constant)
 
 
 def _answer(text: str) -> str:
