@@ -84,8 +84,9 @@ class ReasoningGym(Environment):
             raise ValueError(f"score_answer gave {score!r}")
         last = self._tries >= self.attempts
         solved = score >= 1.0
-        # success is solving it: datasets give partial credit (basic_arithmetic 0.2 for any
-        # number), which a positive reward would count
+        # success is solving it: datasets give partial credit (basic_arithmetic: the share of
+        # an answer that the right one is, when it contains it), which a positive reward
+        # would count
         info = {"solved": solved, "score": score, "rewards": {SOLVED: float(solved)}}
         if solved or last:
             return Step("Correct." if solved else "Not correct.", score, True, info)

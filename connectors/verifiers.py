@@ -211,16 +211,15 @@ class Verifiers(Environment):
         self._rollout: asyncio.Task[Any] | None = None
         self._ended: Step | None = None
 
-    def _rows(self, held_out: bool) -> Any:
-        data = self.env.build_eval_dataset() if held_out else None
-        if data is None:
-            data = self.env.build_dataset()
-        return data if data is not None else self.env.build_eval_dataset()
+    def _rows(self, split: str) -> Any:
+        """The dataset of ``split`` ("train" or "eval"), or None where it has none."""
+        return self.env.build_eval_dataset() if split == "eval" else self.env.build_dataset()
 
     def _task(self, rng: random.Random, held_out: bool) -> Task:
-        rows = self._rows(held_out)
-        index = rng.randrange(len(rows))
-        split = "eval" if held_out and self.env.build_eval_dataset() is not None else "train"
+        # held out: the eval dataset where there is one; either way the one that exists
+        prefer, other = ("eval", "train") if held_out else ("train", "eval")
+        split = prefer if self._rows(prefer) is not None else other
+        index = rng.randrange(len(self._rows(split)))
         return Task(f"{self.name}-{split}-{index}", {"split": split, "row": index})
 
     def sample_task(self, rng: random.Random) -> Task:
@@ -231,10 +230,8 @@ class Verifiers(Environment):
 
     async def reset(self, task: Task) -> str:
         split, index = task.params.get("split"), task.params.get("row")
-        rows = self._rows(split == "eval")
-        if split not in ("train", "eval") or not isinstance(index, int):
-            raise ValueError(f"verifiers task {task.task_id!r} names no row")
-        if not 0 <= index < len(rows):
+        rows = self._rows(split) if split in ("train", "eval") else None
+        if rows is None or not isinstance(index, int) or not 0 <= index < len(rows):
             raise ValueError(f"verifiers task {task.task_id!r} names no row")
         bridge = self._bridge = _Bridge()
         row = dict(rows[index])
@@ -319,9 +316,6 @@ class Verifiers(Environment):
                 await rollout
             except BaseException:  # the cancellation, or whatever the rollout raised
                 pass
-
-    def random_success(self) -> float | None:
-        return None
 
 
 def _tools(env: Any) -> ToolRegistry | None:

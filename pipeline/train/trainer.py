@@ -49,6 +49,7 @@ from pipeline.policy.hf_weights import initial_model
 from pipeline.policy.model import all_finite
 from pipeline.policy.tokenizer import tokenizer_for
 from pipeline.records.ledger import Ledger, member_dir
+from pipeline.records.trajectory import Trajectory
 from pipeline.train.advantages import zero_variance
 from pipeline.train.batching import (
     GroupBuffer,
@@ -529,11 +530,9 @@ class Trainer(PartitionReading):
         self.version += 1
         step = int(self.state.step)
         real = sum(mem.trajectory.num_tokens for mem in members)  # of this member's batch
-        rewards: dict[str, list[float]] = {}
-        solved: dict[str, list[bool]] = {}
+        by_env: dict[str, list[Trajectory]] = {}
         for mem in members:
-            rewards.setdefault(mem.trajectory.env, []).append(mem.trajectory.reward)
-            solved.setdefault(mem.trajectory.env, []).append(mem.trajectory.succeeded)
+            by_env.setdefault(mem.trajectory.env, []).append(mem.trajectory)
         m.update(
             {
                 "step": step,
@@ -546,8 +545,10 @@ class Trainer(PartitionReading):
                 "padding": 1.0 - real / batch.tokens.size,
                 "staleness_mean": float(np.mean(stale)) if stale else 0.0,
                 "staleness_hist": dict(Counter(int(s) for s in stale)),
-                "reward": {e: float(np.mean(r)) for e, r in rewards.items()},
-                "success": {e: float(np.mean(r)) for e, r in solved.items()},
+                "reward": {e: float(np.mean([t.reward for t in ts])) for e, ts in by_env.items()},
+                "success": {
+                    e: float(np.mean([t.succeeded for t in ts])) for e, ts in by_env.items()
+                },
                 "drops": dict(self.drops),
                 "lag": self._lag(),
             }
