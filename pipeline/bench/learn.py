@@ -30,12 +30,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from connectors.base import parse_options
 from pipeline.errors import InvalidConfigError
 from pipeline.launch.cluster import Cluster
 from pipeline.launch.config import RunConfig
 from pipeline.launch.run import Run
 from pipeline.launch.stop import process_flag
-from pipeline.settings import leaf_paths, parse_item, resolve
+from pipeline.settings import leaf_paths, resolve
 
 
 def grid(items: list[str]) -> list[dict[str, Any]]:
@@ -77,7 +78,7 @@ def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
     if getattr(args, "env", None):
         fixed["env"] = args.env
     if getattr(args, "env_option", None):
-        fixed["env_options"] = dict(parse_item(item) for item in args.env_option)
+        fixed["env_options"] = parse_options(args.env_option)
     configs = [resolve(RunConfig, {**fixed, **c}) for c in combos]  # refused before any run
     stop = process_flag()
     results: list[dict[str, Any]] = []

@@ -226,6 +226,23 @@ def test_bench_learn_grid_is_every_combination_of_run_settings() -> None:
         grid(["max_staleness"])
 
 
+def test_bench_learn_refuses_a_bad_environment_before_any_run(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from pipeline.cli.main import main
+
+    for flags, says in (
+        (["--env", "guess", "--env-option", "noequals"], "'noequals' is not KEY=VALUE"),
+        (["--env", "guess", "--env-option", "high=NaN"], "high must be an integer"),
+        (["--env", "reasoning-gym:no_such_dataset"], "not registered"),
+    ):
+        start = time.monotonic()
+        assert main(["bench", "learn", *flags, "--bootstrap", "127.0.0.1:1"]) == 2
+        err = capsys.readouterr().err
+        assert says in err and err.count("\n") == 1, err
+        assert time.monotonic() - start < 10  # no broker, no run was started
+
+
 def test_produce_refuses_an_unknown_environment_before_connecting(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
