@@ -146,7 +146,13 @@ class ScriptedPolicy:
         return 1000
 
     async def generate(
-        self, slot: int, tokens: list[int], max_new: int, *, reset: bool = False
+        self,
+        slot: int,
+        tokens: list[int],
+        max_new: int,
+        *,
+        reset: bool = False,
+        stream: int | None = None,
     ) -> TurnResult:
         from pipeline.policy.server import TurnResult  # (jax, only when a test needs it)
 

@@ -6,6 +6,11 @@ are prefilled in fixed-size chunks, batched across rows), ``step`` samples one t
 every row that is generating, in one forward pass of fixed shape: after the first call of
 each kind nothing recompiles. Parameters can be swapped between steps; each sampled token
 carries the policy version that produced it.
+
+The random draw of a token depends on the sampling seed, the conversation's ``stream``
+(given at :meth:`DecodeEngine.reset`) and the token's position, never on the slot, the
+other rows or the step count: a conversation replayed with the same stream and weights
+samples the same tokens however episodes were batched.
 """
 
 from __future__ import annotations
@@ -26,9 +31,9 @@ from pipeline.policy.model import KVCache, Transformer
 def sample_tokens(
     logits: jax.Array, key: jax.Array, temperature: float | jax.Array, top_p: float | jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """Draw one token per row of ``logits [B, V]``; return tokens and their
-    log-probabilities under the temperature-scaled policy (before top-p truncation, the
-    distribution the trainer recomputes)."""
+    """Draw one token per row of ``logits [B, V]`` with ``key`` (one key, or one per row:
+    shape ``[B]``); return tokens and their log-probabilities under the temperature-scaled
+    policy (before top-p truncation, the distribution the trainer recomputes)."""
     logits = logits.astype(jnp.float32)
     greedy = temperature <= 0
     scaled = logits / jnp.where(greedy, 1.0, temperature)
@@ -40,7 +45,10 @@ def sample_tokens(
         jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
     )
     masked = jnp.where(keep, scaled, -jnp.inf)
-    drawn = jax.random.categorical(key, masked, axis=-1)
+    if key.shape:  # a key per row: each row's draw is its own
+        drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row))(key, masked)
+    else:
+        drawn = jax.random.categorical(key, masked, axis=-1)
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn)
     return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
@@ -79,6 +87,10 @@ class DecodeEngine:
         self.length = np.zeros(slots, np.int64)
         self.pending: list[int | None] = [None] * slots
         self._queued: list[list[int]] = [[] for _ in range(slots)]
+        #: each slot's conversation stream (see :meth:`reset`); fresh ones count down from
+        #: 2**32 - 1, away from the small numbers and hashes callers pass
+        self.stream = np.arange(slots, dtype=np.uint32)
+        self._fresh = (1 << 32) - 1
         self._key = jax.random.key(self.sampling.seed)
         graphdef = self.graphdef
 
@@ -109,13 +121,18 @@ class DecodeEngine:
             positions: jax.Array,
             write: jax.Array,
             key: jax.Array,
+            streams: jax.Array,
             temperature: jax.Array,
             top_p: jax.Array,
         ) -> tuple[KVCache, jax.Array, jax.Array]:
             model = nnx.merge(graphdef, state)
             logits, new = model(tokens, positions, cache, write)
             assert new is not None
-            nxt, logp = sample_tokens(logits[:, -1], key, temperature, top_p)
+            # row r's key: the seed's, folded with its stream and the sampled position
+            keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.fold_in(key, s), p))(
+                streams, positions[:, 0] + 1
+            )
+            nxt, logp = sample_tokens(logits[:, -1], keys, temperature, top_p)
             return new, nxt, logp
 
         self._prefill = prefill
@@ -123,8 +140,16 @@ class DecodeEngine:
 
     # ---- slots ---------------------------------------------------------------------------
 
-    def reset(self, slot: int) -> None:
-        """Start a new conversation in ``slot`` (its old cache rows are overwritten)."""
+    def reset(self, slot: int, stream: int | None = None) -> None:
+        """Start a new conversation in ``slot`` (its old cache rows are overwritten).
+        ``stream`` (an integer below 2**32) names the conversation's random draws: the
+        same stream, weights and tokens sample the same continuation in any slot and
+        batch; None draws a stream no other conversation of this engine has used."""
+        if stream is None:
+            stream, self._fresh = self._fresh, self._fresh - 1
+        if not 0 <= stream < 1 << 32:
+            raise InvalidConfigError(f"stream {stream!r} is not an integer in [0, 2**32)")
+        self.stream[slot] = stream
         self.length[slot] = 0
         self.pending[slot] = None
         self._queued[slot] = []
@@ -206,7 +231,6 @@ class DecodeEngine:
             tokens[s, 0] = pending
             positions[s, 0] = self.length[s]
             write[s] = True
-        self._key, key = jax.random.split(self._key)
         sp = self.sampling
         self.cache, nxt, logp = self._decode(
             self.state,
@@ -214,7 +238,8 @@ class DecodeEngine:
             tokens,
             positions,
             write,
-            key,
+            self._key,
+            self.stream,
             jnp.float32(sp.temperature),
             jnp.float32(sp.top_p),
         )

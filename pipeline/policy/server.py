@@ -43,6 +43,7 @@ class _Request:
     future: asyncio.Future[TurnResult]
     loop: asyncio.AbstractEventLoop
     reset: bool
+    stream: int | None = None
     result: TurnResult = field(default_factory=TurnResult)
 
 
@@ -91,15 +92,22 @@ class PolicyServer:
         self._thread.join(timeout=10)
 
     async def generate(
-        self, slot: int, tokens: list[int], max_new_tokens: int, *, reset: bool = False
+        self,
+        slot: int,
+        tokens: list[int],
+        max_new_tokens: int,
+        *,
+        reset: bool = False,
+        stream: int | None = None,
     ) -> TurnResult:
-        """Append ``tokens`` to the slot's conversation (after clearing it if ``reset``)
-        and sample one turn of at most ``max_new_tokens``."""
+        """Append ``tokens`` to the slot's conversation (after clearing it if ``reset``,
+        as conversation ``stream``: see :meth:`DecodeEngine.reset`) and sample one turn of
+        at most ``max_new_tokens``."""
         if self.error is not None:
             raise RuntimeError("the policy thread failed") from self.error
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[TurnResult] = loop.create_future()
-        self._inbox.put(_Request(slot, tokens, max_new_tokens, fut, loop, reset))
+        self._inbox.put(_Request(slot, tokens, max_new_tokens, fut, loop, reset, stream))
         return await fut
 
     def release(self, slot: int) -> None:
@@ -190,7 +198,7 @@ class PolicyServer:
             self.engine.reset(req.slot)
             return
         if req.reset:
-            self.engine.reset(req.slot)
+            self.engine.reset(req.slot, req.stream)
         if len(req.tokens) > self.engine.room(req.slot):  # never past the context
             req.loop.call_soon_threadsafe(_resolve, req.future, req.result)
             return

@@ -26,6 +26,7 @@ import logging
 import math
 import time
 import uuid
+import zlib
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -62,6 +63,12 @@ class GroupSlot:
     group_size: int
     group_index: int
     task: Task
+
+    @property
+    def stream(self) -> int:
+        """The random stream of the episode's token draws (see ``DecodeEngine.reset``):
+        from the group and member, so that a replayed episode draws the same tokens."""
+        return zlib.crc32(f"{self.group_id}\0{self.group_index}".encode())
 
 
 class _Recorder:
@@ -168,7 +175,11 @@ async def run_episode(
                 break
             with inner("policy_turn", track):
                 turn = await server.generate(
-                    slot, feed, limits.max_new_tokens, reset=turn_index == 0
+                    slot,
+                    feed,
+                    limits.max_new_tokens,
+                    reset=turn_index == 0,
+                    stream=member.stream,
                 )
             latency = time.perf_counter() - t0
             gen_s += latency

@@ -2,7 +2,12 @@
 
 Episodes run exactly as a producer runs them (the same policy server, episode loop and
 sampling), but locally and without Kafka, on tasks drawn from a seed that producers do not
-use, with no simulated latency. Success is a positive reward, as in the trainer's metrics.
+use, with no simulated latency. Success is as in the trainer's metrics.
+
+The figure is reproducible: each episode's token draws come from the sampling seed, the
+evaluation's seed and the episode's index (see ``DecodeEngine.reset``), not from the slot
+or the order in which episodes were batched, so the same weights give the same figure at
+any concurrency.
 """
 
 from __future__ import annotations
@@ -91,7 +96,8 @@ def evaluate(
         async def one(i: int) -> Any:
             slot = await free.get()
             try:
-                member = GroupSlot(f"eval-{i}", 1, 0, tasks[i])
+                # the episode's draws follow from the seed and its index, not its slot
+                member = GroupSlot(f"eval-{seed}-{i}", 1, 0, tasks[i])
                 return await run_episode(
                     make(env, **options), member, server, slot, tokenizer, limits, "eval"
                 )

@@ -199,3 +199,59 @@ def test_the_engine_refuses_what_does_not_fit_and_ids_it_has_no_row_for() -> Non
         with pytest.raises(InvalidConfigError, match="outside the model's"):
             engine.append(1, bad)
     assert len(engine.step([0, 1])) == 2  # the refusals queued nothing
+
+
+def test_a_conversation_draws_the_same_tokens_in_any_slot_and_batch() -> None:
+    model = init_model(CFG, seed=0)
+    prompt = [257, 4, 9, 2]
+
+    def draw(slots: int, slot: int, neighbours: int) -> list[int]:
+        engine = DecodeEngine(model, slots=slots, chunk=4, sampling=SamplingConfig(1.0, seed=3))
+        others = [s for s in range(slots) if s != slot][:neighbours]
+        for n, s in enumerate(others):  # other conversations, of other lengths, alongside
+            engine.reset(s)
+            engine.append(s, [257, *range(n + 1)])
+        engine.reset(slot, stream=77)
+        engine.append(slot, prompt)
+        out = []
+        for i in range(10):
+            out.append(engine.step([slot, *others[: i % (len(others) + 1)]])[slot][0])
+        return out
+
+    alone = draw(1, 0, 0)
+    assert draw(4, 2, 3) == alone
+    assert draw(8, 7, 5) == alone
+    engine = DecodeEngine(model, slots=1, chunk=4, sampling=SamplingConfig(1.0, seed=3))
+    engine.reset(0, stream=78)  # another stream draws otherwise
+    engine.append(0, prompt)
+    assert [engine.step([0])[0][0] for _ in range(10)] != alone
+    with pytest.raises(InvalidConfigError, match="stream"):
+        engine.reset(0, stream=1 << 32)
+
+
+def test_held_out_evaluation_gives_the_same_episodes_at_any_concurrency(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from pipeline.rollout import evaluate as evaluation
+
+    played: list[tuple[str, tuple[int, ...]]] = []
+    real = evaluation.run_episode
+
+    async def recorded(*args, **kwargs):  # type: ignore[no-untyped-def]
+        t = await real(*args, **kwargs)
+        played.append((t.group_id, tuple(t.tokens.tolist())))
+        return t
+
+    monkeypatch.setattr(evaluation, "run_episode", recorded)
+    small = ModelConfig(d_model=32, num_layers=1, num_heads=2, d_ff=64, max_len=128)
+
+    def episodes(concurrency: int, seed: int = 1) -> dict[str, tuple[int, ...]]:
+        played.clear()
+        evaluation.evaluate(
+            "guess", model=small, episodes=24, concurrency=concurrency, seed=seed, model_seed=2
+        )
+        return dict(played)
+
+    once = episodes(3)
+    assert len(once) == 24 and len(set(once.values())) == 24  # sampled, all different
+    assert episodes(8) == once
+    assert episodes(24) == once
+    assert episodes(8, seed=2) != once
