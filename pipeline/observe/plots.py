@@ -96,26 +96,43 @@ def render(run_dir: Path, limits: Limits) -> list[tuple[str, str]]:
         _legend(ax, loc="upper left", fontsize=8)
     save(fig, "learning.png", "Learning: reward and success against trainer steps")
 
-    # the optimisation: loss, KL, entropy, gradient norm, clip fraction, throughput
-    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
+    # the optimisation: loss, KL, entropy, gradient norm, clip fraction, logprob parity,
+    # throughput
+    fig, axes = plt.subplots(2, 4, figsize=(17, 6.5))
     panels = [
         ("loss", ["loss"], "policy loss"),
         ("KL divergence", ["kl_behaviour", "kl"], "nats per token"),
         ("entropy", ["entropy"], "nats per token"),
         ("gradient norm", ["grad_norm"], "global L2 norm"),
         ("clip fraction", ["clip_fraction"], "share of policy tokens"),
+        (
+            "logprob parity (trainer's own version)",
+            ["logprob_diff_mean", "logprob_diff_p99", "mismatch_kl"],
+            "|sampler - trainer| (nats), KL",
+        ),
     ]
-    labels = {"kl_behaviour": "to the behaviour policy", "kl": "to the reference policy"}
+    labels = {
+        "kl_behaviour": "to the behaviour policy",
+        "kl": "to the reference policy",
+        "logprob_diff_mean": "mean gap",
+        "logprob_diff_p99": "p99 gap",
+        "mismatch_kl": "KL(sampler || trainer)",
+    }
     for ax, (title, keys, ylabel) in zip(axes.flat, panels, strict=False):
         for key in keys:
             ys = [float(m.get(key, math.nan)) for m in metrics]
             if any(not math.isnan(y) for y in ys):
-                ax.plot(steps, ys, lw=1.2, label=labels.get(key, key))
+                ax.plot(
+                    steps, ys, ".-" if key in labels else "-", lw=1.2, label=labels.get(key, key)
+                )
+        if len(keys) > 2:  # gaps from 1e-12 (float32) to whole nats (a defect)
+            ax.set_yscale("symlog", linthresh=1e-8)
         if len(keys) > 1:
             _legend(ax, fontsize=8)
         ax.set(title=title, xlabel="trainer step", ylabel=ylabel)
         ax.grid(alpha=0.3)
-    ax = axes.flat[5]
+    axes.flat[7].axis("off")
+    ax = axes.flat[6]
     tx, ty = trained_rate(run_dir, metrics)
     ax.plot([minutes(t) for t in tx], ty, lw=1.5, label="trained")
     for name, rows in producers.items():

@@ -32,6 +32,9 @@ from pipeline.train.objective import Batch
 class Member:
     trajectory: Trajectory
     where: Coordinates
+    #: where a batch put it: its row and first column (set by :func:`assemble`/:func:`pack`)
+    row: int = -1
+    start: int = 0
 
 
 @dataclass
@@ -241,6 +244,14 @@ def _advantaged(groups: Sequence[Group], grpo: GRPOConfig) -> list[tuple[Member,
     return out
 
 
+def _mark_fresh(fresh: np.ndarray, r: int, at: int, t: Trajectory, version: int) -> None:
+    """Mark the tokens of ``t`` (at row ``r``, column ``at``) that policy ``version``
+    sampled: those whose sampler and trainer log-probabilities must agree."""
+    for s in t.version_spans:
+        if s.version == version:
+            fresh[r, at + s.start : at + s.end] = 1.0
+
+
 def _last_policy_token(mask: np.ndarray) -> int | None:
     hits = np.flatnonzero(mask[1:]) + 1
     return int(hits[-1]) if len(hits) else None
@@ -252,10 +263,12 @@ def assemble(
     buckets: Sequence[int],
     grpo: GRPOConfig | None = None,
     length: int | None = None,
+    version: int | None = None,
 ) -> tuple[Batch, list[Member]]:
     """A batch of exactly ``rows`` rows, one trajectory per row (padding rows have
     ``valid`` 0) and the members in row order, with each group's advantages; its length
-    is the bucket of the longest member, or ``length`` (the group's agreed one)."""
+    is the bucket of the longest member, or ``length`` (the group's agreed one). With
+    ``version`` (the trainer's), ``fresh`` marks the tokens that version sampled."""
     grpo = grpo or GRPOConfig()
     rated = _advantaged(groups, grpo)
     longest = max((m.trajectory.num_tokens for m, _, _ in rated), default=0)
@@ -268,9 +281,13 @@ def assemble(
     advantage = np.zeros(rows, np.float32)
     valid = np.zeros(rows, np.float32)
     reward = np.zeros((rows, t), np.float32)
+    fresh = np.zeros((rows, t), np.float32)
     for r, (member, adv, rew) in enumerate(rated):
         tr = member.trajectory
         n = tr.num_tokens
+        member.row, member.start = r, 0
+        if version is not None:
+            _mark_fresh(fresh, r, 0, tr, version)
         tokens[r, :n] = tr.tokens
         mask[r, 1:n] = tr.loss_mask[1:]  # the first token has no prediction to train
         behaviour[r, :n] = tr.logprobs
@@ -282,6 +299,8 @@ def assemble(
     batch = Batch(tokens, mask, behaviour, advantage, valid)
     if grpo.advantage == "gae":
         batch = batch._replace(reward=reward)
+    if version is not None:
+        batch = batch._replace(fresh=fresh)
     return batch, [m for m, _, _ in rated]
 
 
@@ -322,13 +341,14 @@ def pack(
     length: int,
     grpo: GRPOConfig | None = None,
     first_row: int = 0,
+    version: int | None = None,
 ) -> tuple[Batch, list[Member]]:
     """A packed batch of ``rows`` rows of ``length`` tokens: several trajectories per
     row, each its own segment (attention stays inside it, positions restart at 0) with
     its group's advantage on every token; the members in the order they were packed.
     Segment ids are the flat index of the segment's first token, counted from row
     ``first_row`` (this member's first row of a group's batch), so they are unique in
-    the whole batch."""
+    the whole batch. ``version``: as for :func:`assemble`."""
     grpo = grpo or GRPOConfig()
     rated = _advantaged(groups, grpo)
     layout = _first_fit([m.trajectory.num_tokens for m, _, _ in rated], length)
@@ -343,6 +363,7 @@ def pack(
     segment = np.broadcast_to(base, (rows, length)).copy()
     position = np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length)).copy()
     reward = np.zeros((rows, length), np.float32)
+    fresh = np.zeros((rows, length), np.float32)
     members = []
     for r, row in enumerate(layout):
         at = 0
@@ -350,6 +371,9 @@ def pack(
             member, adv, rew = rated[i]
             tr = member.trajectory
             n = tr.num_tokens
+            member.row, member.start = r, at
+            if version is not None:
+                _mark_fresh(fresh, r, at, tr, version)
             tokens[r, at : at + n] = tr.tokens
             mask[r, at + 1 : at + n] = tr.loss_mask[1:]
             behaviour[r, at : at + n] = tr.logprobs
@@ -376,5 +400,6 @@ def pack(
         segment.astype(np.int32),
         position,
         reward if grpo.advantage == "gae" else None,
+        fresh if version is not None else None,
     )
     return batch, members

@@ -211,6 +211,9 @@ class TrainerConfig:
     min_logprob: float = -1e3
     #: this many consecutive steps with a non-finite loss or gradient stop the trainer
     max_nonfinite_steps: int = 5
+    #: logprob parity: a trajectory with a token whose sampler and trainer
+    #: log-probabilities (same policy version) differ by more than this is logged by id
+    parity_threshold: float = 0.1
     #: this trainer's static group member id; a restart under the same id resumes at once
     instance: str = "0"
     #: serve Prometheus metrics on this port (0: any free port; None: off)
@@ -260,6 +263,7 @@ class TrainerConfig:
             ("max_record_bytes", self.max_record_bytes, 1, False),
             ("max_abs_reward", self.max_abs_reward, 0, True),
             ("max_nonfinite_steps", self.max_nonfinite_steps, 1, False),
+            ("parity_threshold", self.parity_threshold, 0, True),
             ("stall_timeout_s", self.stall_timeout_s, 10, False),  # not a restart loop
         ):
             check_range(name, value, low, above=above)

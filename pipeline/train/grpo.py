@@ -38,7 +38,13 @@ from pipeline.policy.model import (
 from pipeline.train.config import GRPOConfig
 from pipeline.train.critic import gae, init_critic
 from pipeline.train.critic import values as critic_values
-from pipeline.train.objective import Batch, critic_loss, denominators, policy_loss
+from pipeline.train.objective import (
+    PER_TOKEN_METRICS,
+    Batch,
+    critic_loss,
+    denominators,
+    policy_loss,
+)
 
 
 class TrainState(NamedTuple):
@@ -91,6 +97,13 @@ def _advantages_from_critic(
     mean = jnp.sum(adv * b.mask) / n
     std = jnp.sqrt(jnp.sum(((adv - mean) * b.mask) ** 2) / n)
     return (adv - mean) / (std + cfg.adv_eps) * b.mask, target, steps
+
+
+def _micro_reduce(name: str, parts: jax.Array) -> jax.Array:
+    """A minibatch's metric from its micro-batches' ``[k, ...]``."""
+    if name in PER_TOKEN_METRICS:
+        return parts.reshape(-1, parts.shape[-1])
+    return jnp.max(parts) if name == "is_weight_max" else jnp.sum(parts)
 
 
 def make_train_step(
@@ -166,9 +179,8 @@ def make_train_step(
         zeros = jax.tree.map(jnp.zeros_like, trainable)
         grads, metrics = jax.lax.scan(accumulate, zeros, micro)
         # every metric is one sum normalised by the minibatch, in k parts (the largest
-        # weight is the largest of the parts')
-        reduce: dict[str, Any] = {"is_weight_max": jnp.max}
-        return {n: reduce.get(n, jnp.sum)(v) for n, v in metrics.items()}, grads
+        # weight is the largest of the parts'); a per-token one is the parts' rows again
+        return {n: _micro_reduce(n, v) for n, v in metrics.items()}, grads
 
     @functools.partial(jax.jit, **jit_args)
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -235,7 +247,11 @@ def make_train_step(
         start = ((state.trained, state.critic), state.opt_state)
         ((trained, critic), opt_state), metrics = jax.lax.scan(update, start, split)
         applied = jnp.all(metrics.pop("finite"))
-        metrics = jax.tree.map(jnp.mean, metrics)
+        # each minibatch's share of the batch; a per-token metric, its rows in batch order
+        metrics = {
+            n: v.reshape(-1, v.shape[-1]) if n in PER_TOKEN_METRICS else jnp.mean(v)
+            for n, v in metrics.items()
+        }
         metrics["applied"] = applied.astype(jnp.float32)
         step = state.step + applied.astype(state.step.dtype)
         if m > 1:

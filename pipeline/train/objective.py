@@ -40,6 +40,11 @@ from pipeline.train.config import GRPOConfig
 #: log-ratios above this are capped before exp (exp(20) ~ 5e8, far past any clip range)
 _MAX_LOG_RATIO = 20.0
 
+#: metrics of every token ``[B, T]`` rather than of the batch: ``sampler_log_ratio`` is
+#: the trainer's log-probability minus the sampler's on each token the trainer's own
+#: version sampled (NaN elsewhere), the logprob-parity check (:mod:`pipeline.train.parity`)
+PER_TOKEN_METRICS = ("sampler_log_ratio",)
+
 
 class Batch(NamedTuple):
     """A training batch of fixed shape ``[B, T]``. Host (numpy) or device arrays.
@@ -61,6 +66,9 @@ class Batch(NamedTuple):
     position: Any = None
     #: per token (PPO with a critic): each trajectory's reward on its last policy token
     reward: Any = None
+    #: per token: 1 where the trainer's own version sampled it (its sampler and trainer
+    #: log-probabilities must agree: :data:`PER_TOKEN_METRICS`), else None
+    fresh: Any = None
 
     def per_token(self) -> Batch:
         """The same batch with a segment and position for every token, the advantage per
@@ -76,7 +84,15 @@ class Batch(NamedTuple):
             adv = jnp.broadcast_to(adv[:, None], (b, t))
         mask = self.mask * self.valid[:, None]
         return Batch(
-            self.tokens, mask, self.behaviour, adv, self.valid, segment, position, self.reward
+            self.tokens,
+            mask,
+            self.behaviour,
+            adv,
+            self.valid,
+            segment,
+            position,
+            self.reward,
+            self.fresh,
         )
 
 
@@ -168,6 +184,9 @@ def policy_loss(
         "is_weight_max": jnp.max(jnp.where(mask > 0, is_w, 0.0)),
         "is_truncated_fraction": jnp.sum((is_w > cfg.is_cap) * mask) / tokens,
     }
+    if mb.fresh is not None:  # prox is the trainer's policy at the start of the step
+        same = (mb.fresh * mask) > 0
+        metrics["sampler_log_ratio"] = jnp.where(same, prox - mb.behaviour, jnp.nan)
     return _aggregate(per_token, mb, cfg.aggregation, denom, n), metrics
 
 

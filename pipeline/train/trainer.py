@@ -68,6 +68,7 @@ from pipeline.train.grpo import init_state, make_train_step
 from pipeline.train.intake import DeadLetters, HeldRecords, RecordJudge
 from pipeline.train.members import Members, Watchdog
 from pipeline.train.mesh import batch_sharding, make_mesh, state_shardings
+from pipeline.train.parity import summarize
 from pipeline.train.positions import PositionTracker
 from pipeline.train.publish import WeightsPublisher
 from pipeline.train.reading import PartitionReading, fatal
@@ -383,9 +384,10 @@ class Trainer(PartitionReading):
             if self.members.agree([self.stop_event.is_set()])[:, 0].any():
                 return
             if self.cfg.packing:
-                empty = pack([], r, t, self.cfg.grpo)[0]
+                empty = pack([], r, t, self.cfg.grpo, version=self.version)[0]
             else:
-                empty = assemble([], r, self.cfg.buckets, self.cfg.grpo, length=t)[0]
+                grpo = self.cfg.grpo
+                empty = assemble([], r, self.cfg.buckets, grpo, length=t, version=self.version)[0]
             batch = self.members.batch(empty, self.batch_sharding)
             self.train_step.lower(self.state, batch).compile()
 
@@ -508,7 +510,9 @@ class Trainer(PartitionReading):
             self.state, metrics = self.train_step(
                 self.state, self.members.batch(batch, self.batch_sharding)
             )
-            m: dict[str, Any] = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            got = jax.device_get(metrics)
+            log_ratio = got.pop("sampler_log_ratio")
+            m: dict[str, Any] = {k: float(v) for k, v in got.items()}
             if self.cfg.step_delay_s:
                 time.sleep(self.cfg.step_delay_s)
         t2 = time.perf_counter()
@@ -516,6 +520,8 @@ class Trainer(PartitionReading):
         if not m.pop("applied"):
             return self._not_applied(groups, m)
         self.nonfinite_in_a_row = 0
+        self._parity(log_ratio, members, batch, m)
+        self._parity(log_ratio, members, batch, m)
         # (a trajectory without policy tokens, e.g. an environment that timed out on
         # reset, has no version and no staleness)
         stale = [
@@ -572,6 +578,26 @@ class Trainer(PartitionReading):
             self.on_step(m)
         return step
 
+    def _parity(self, log_ratio: Any, members: list[Any], batch: Any, m: dict[str, Any]) -> None:
+        """The step's logprob-parity figures into ``m``; this member's trajectories whose
+        sampler and trainer disagree beyond ``parity_threshold`` are logged by id."""
+        first_row = self.members.index * batch.tokens.shape[0]
+        figures, flagged = summarize(
+            np.asarray(log_ratio), members, first_row, self.cfg.parity_threshold
+        )
+        m.update(figures)
+        if flagged:
+            log.warning(
+                "logprob parity: step %d has %d trajectories whose sampler and trainer "
+                "log-probabilities differ by more than %g (p99 %.3g, max %.3g): %s",
+                int(self.state.step),
+                len(flagged),
+                self.cfg.parity_threshold,
+                figures["logprob_diff_p99"],
+                figures["logprob_diff_max"],
+                " ".join(flagged[:20]) + (" ..." if len(flagged) > 20 else ""),
+            )
+
     def _needs(self, groups: list[Any]) -> int:
         """What this member's batch needs: the packed rows, or the length bucket of its
         longest trajectory (0 without groups)."""
@@ -585,12 +611,14 @@ class Trainer(PartitionReading):
     def _assemble(self, groups: list[Any], need: int) -> tuple[Any, list[Any]]:
         """This member's part of the step's batch, in the shape every member can use
         (``need``: the most any member needs)."""
+        v = self.version
         if not self.cfg.packing:
             rows = self.cfg.rows // self.members.count
-            return assemble(groups, rows, self.cfg.buckets, self.cfg.grpo, length=need)
+            return assemble(groups, rows, self.cfg.buckets, self.cfg.grpo, length=need, version=v)
         rows = next(r for r in self.row_choices if r >= need)
         length = max(self.cfg.buckets)
-        return pack(groups, rows, length, self.cfg.grpo, first_row=self.members.index * rows)
+        first = self.members.index * rows
+        return pack(groups, rows, length, self.cfg.grpo, first_row=first, version=v)
 
     def _not_applied(self, groups: list[Any], m: dict[str, Any]) -> int:
         """A step whose loss or gradients were not finite changed nothing: its records

@@ -337,6 +337,9 @@ def test_sync_mode_trains_each_batch_on_the_current_policy_only(
     assert [m["step"] for m in metrics] == [1, 2, 3]
     for m in metrics:
         assert m["staleness_hist"] == {"0": 8}  # a full batch, all of the trainer's version
+        # so every policy token is compared with the sampler's, and they agree (float32)
+        assert m["parity_tokens"] == m["tokens"] > 0
+        assert m["logprob_diff_p99"] <= 1e-4 and m["mismatch_kl"] < 1e-6, m
     ledger = read_ledger(run_dir / "ledger.jsonl")
     assert sum(len(e["trained"]) for e in ledger) == 3 * 8
     # the producer generated exactly one batch per version, then waited
