@@ -12,10 +12,13 @@ tokens differ by more than a threshold.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 
 def summarize(
@@ -50,3 +53,23 @@ def summarize(
         if own.size and np.abs(own).max() > threshold:
             flagged.append(m.trajectory.trajectory_id)
     return figures, flagged
+
+
+def check(
+    log_ratio: Any, members: Sequence[Any], first_row: int, threshold: float, step: int
+) -> dict[str, float]:
+    """:func:`summarize` for training step ``step``, the trajectories beyond
+    ``threshold`` logged by id (a warning); returns the figures."""
+    figures, flagged = summarize(np.asarray(log_ratio), members, first_row, threshold)
+    if flagged:
+        log.warning(
+            "logprob parity: step %d has %d trajectories whose sampler and trainer "
+            "log-probabilities differ by more than %g (p99 %.3g, max %.3g): %s",
+            step,
+            len(flagged),
+            threshold,
+            figures["logprob_diff_p99"],
+            figures["logprob_diff_max"],
+            " ".join(flagged[:20]) + (" ..." if len(flagged) > 20 else ""),
+        )
+    return figures

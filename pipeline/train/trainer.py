@@ -68,7 +68,7 @@ from pipeline.train.grpo import init_state, make_train_step
 from pipeline.train.intake import DeadLetters, HeldRecords, RecordJudge
 from pipeline.train.members import Members, Watchdog
 from pipeline.train.mesh import batch_sharding, make_mesh, state_shardings
-from pipeline.train.parity import summarize
+from pipeline.train.parity import check
 from pipeline.train.positions import PositionTracker
 from pipeline.train.publish import WeightsPublisher
 from pipeline.train.reading import PartitionReading, fatal
@@ -520,8 +520,10 @@ class Trainer(PartitionReading):
         if not m.pop("applied"):
             return self._not_applied(groups, m)
         self.nonfinite_in_a_row = 0
-        self._parity(log_ratio, members, batch, m)
-        self._parity(log_ratio, members, batch, m)
+        first_row = self.members.index * batch.tokens.shape[0]
+        m.update(
+            check(log_ratio, members, first_row, self.cfg.parity_threshold, int(self.state.step))
+        )
         # (a trajectory without policy tokens, e.g. an environment that timed out on
         # reset, has no version and no staleness)
         stale = [
@@ -577,26 +579,6 @@ class Trainer(PartitionReading):
         if self.on_step:
             self.on_step(m)
         return step
-
-    def _parity(self, log_ratio: Any, members: list[Any], batch: Any, m: dict[str, Any]) -> None:
-        """The step's logprob-parity figures into ``m``; this member's trajectories whose
-        sampler and trainer disagree beyond ``parity_threshold`` are logged by id."""
-        first_row = self.members.index * batch.tokens.shape[0]
-        figures, flagged = summarize(
-            np.asarray(log_ratio), members, first_row, self.cfg.parity_threshold
-        )
-        m.update(figures)
-        if flagged:
-            log.warning(
-                "logprob parity: step %d has %d trajectories whose sampler and trainer "
-                "log-probabilities differ by more than %g (p99 %.3g, max %.3g): %s",
-                int(self.state.step),
-                len(flagged),
-                self.cfg.parity_threshold,
-                figures["logprob_diff_p99"],
-                figures["logprob_diff_max"],
-                " ".join(flagged[:20]) + (" ..." if len(flagged) > 20 else ""),
-            )
 
     def _needs(self, groups: list[Any]) -> int:
         """What this member's batch needs: the packed rows, or the length bucket of its

@@ -4,6 +4,7 @@ the tokens its version sampled, and names the trajectories where they part."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -21,7 +22,7 @@ from pipeline.testing import make_trajectory
 from pipeline.train.batching import Group, Member, assemble, pack
 from pipeline.train.config import GRPOConfig, TrainerConfig
 from pipeline.train.grpo import init_state, make_train_step
-from pipeline.train.parity import summarize
+from pipeline.train.parity import check, summarize
 
 TEMPERATURE = 0.8
 
@@ -89,7 +90,7 @@ def test_a_qwen_checkpoint_samples_what_it_trains_in_float32(qwen3: Path) -> Non
     assert figures == {"parity_tokens": 0.0}
 
 
-def test_a_sampler_that_disagrees_is_named(qwen3: Path) -> None:
+def test_a_sampler_that_disagrees_is_named(qwen3: Path, caplog: pytest.LogCaptureFixture) -> None:
     """One trajectory's log-probabilities off by 0.7 on one token (a wrong position, a
     template re-tokenised differently): the figures show it and its id is the one named."""
     model = load_model(read_model_config(qwen3))
@@ -110,6 +111,10 @@ def test_a_sampler_that_disagrees_is_named(qwen3: Path) -> None:
     wide = np.full((8, log_ratio.shape[1]), np.nan, np.float32)
     wide[4:] = log_ratio
     assert summarize(wide, members, 4, 0.1)[1] == [bad.trajectory_id]
+    # the trainer's check logs the step and the ids
+    with caplog.at_level(logging.WARNING, logger="pipeline.train.parity"):
+        assert check(log_ratio, members, 0, 0.1, 7) == figures
+    assert "step 7 has 1 trajectories" in caplog.text and bad.trajectory_id in caplog.text
 
 
 def test_bfloat16_parity_is_stated(qwen3: Path) -> None:
