@@ -15,9 +15,10 @@ def register(sub: Any) -> None:
     from pipeline.launch.config import RunConfig
     from pipeline.rollout.config import EvalConfig, ProducerConfig
     from pipeline.train.config import TrainerConfig
+    from pipeline.train.sft import SFTConfig
 
     p = sub.add_parser(
-        "config", help="print a resolved configuration (of produce, train, run, eval or env)"
+        "config", help="print a resolved configuration (of produce, train, sft, run, eval or env)"
     )
     actions = p.add_subparsers(dest="config_action", required=True)
     show = actions.add_parser("show", help="print the resolved configuration as JSON")
@@ -25,6 +26,7 @@ def register(sub: Any) -> None:
     for name, cls in (
         ("produce", ProducerConfig),
         ("train", TrainerConfig),
+        ("sft", SFTConfig),
         ("run", RunConfig),
         ("eval", EvalConfig),
         ("env", ServeConfig),

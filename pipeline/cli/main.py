@@ -30,6 +30,7 @@ COMMANDS = (
     "check",
     "produce",
     "train",
+    "sft",
     "model",
     "bench",
     "config",

@@ -130,10 +130,15 @@ class ChatTokenizer:
         """The template's text of ``messages`` with ``tools`` (each ``{"name",
         "description", "parameters"}``) listed (rendered within the bounds of
         :mod:`pipeline.policy.template`; episodes never call this)."""
+        return self.render_many([(messages, add_generation_prompt)], tools)[0]
+
+    def render_many(
+        self, conversations: Sequence[Conversation], tools: Sequence[Mapping[str, Any]] = ()
+    ) -> list[str]:
+        """:meth:`render` of several conversations with the same ``tools``, in one call of
+        the bounded renderer (whose limits then hold for them together)."""
         listed = _functions(tools) or None
-        return render_bounded(
-            self.template_source, self.specials, [(messages, add_generation_prompt)], listed
-        )[0]
+        return render_bounded(self.template_source, self.specials, conversations, listed)
 
     # ---- the pieces an episode appends ----------------------------------------------------
 

@@ -304,7 +304,7 @@ def assemble(
     return batch, [m for m, _, _ in rated]
 
 
-def _first_fit(lengths: Sequence[int], length: int) -> list[list[int]]:
+def first_fit(lengths: Sequence[int], length: int) -> list[list[int]]:
     """Indices of ``lengths`` per row of ``length`` tokens: first fit, longest first."""
     rows: list[list[int]] = []
     free: list[int] = []
@@ -325,7 +325,7 @@ def _first_fit(lengths: Sequence[int], length: int) -> list[list[int]]:
 def rows_to_pack(groups: Sequence[Group], length: int) -> int:
     """How many rows of ``length`` tokens the groups' trajectories pack into."""
     lengths = [m.trajectory.num_tokens for g in groups for m in g.members.values()]
-    return len(_first_fit(lengths, length))
+    return len(first_fit(lengths, length))
 
 
 def row_choices(most: int, unit: int, shapes: int = 4) -> list[int]:
@@ -351,7 +351,7 @@ def pack(
     the whole batch. ``version``: as for :func:`assemble`."""
     grpo = grpo or GRPOConfig()
     rated = _advantaged(groups, grpo)
-    layout = _first_fit([m.trajectory.num_tokens for m, _, _ in rated], length)
+    layout = first_fit([m.trajectory.num_tokens for m, _, _ in rated], length)
     if len(layout) > rows:
         raise ValueError(f"{len(rated)} trajectories need {len(layout)} rows, not {rows}")
     tokens = np.zeros((rows, length), np.int32)

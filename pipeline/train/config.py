@@ -131,19 +131,37 @@ class GRPOConfig:
     def optimizer(self) -> Any:
         """AdamW with linear warm-up, optionally cosine decay, and global-norm clipping (an
         optax transformation)."""
-        import optax
-
-        warmup = max(1, self.warmup_steps)
-        schedule = optax.linear_schedule(0.0, self.learning_rate, warmup)
-        if self.decay_steps:
-            decay = optax.cosine_decay_schedule(
-                self.learning_rate, self.decay_steps, alpha=self.decay_floor
-            )
-            schedule = optax.join_schedules([schedule, decay], [warmup])
-        return optax.chain(
-            optax.clip_by_global_norm(self.max_grad_norm),
-            optax.adamw(schedule, weight_decay=self.weight_decay),
+        return adamw(
+            self.learning_rate,
+            self.warmup_steps,
+            self.decay_steps,
+            self.decay_floor,
+            self.weight_decay,
+            self.max_grad_norm,
         )
+
+
+def adamw(
+    learning_rate: float,
+    warmup_steps: int,
+    decay_steps: int,
+    decay_floor: float,
+    weight_decay: float,
+    max_grad_norm: float,
+) -> Any:
+    """AdamW with ``warmup_steps`` of linear warm-up, then (``decay_steps`` > 0) cosine
+    decay to ``decay_floor`` times the peak, gradients clipped to ``max_grad_norm``."""
+    import optax
+
+    warmup = max(1, warmup_steps)
+    schedule = optax.linear_schedule(0.0, learning_rate, warmup)
+    if decay_steps:
+        decay = optax.cosine_decay_schedule(learning_rate, decay_steps, alpha=decay_floor)
+        schedule = optax.join_schedules([schedule, decay], [warmup])
+    return optax.chain(
+        optax.clip_by_global_norm(max_grad_norm),
+        optax.adamw(schedule, weight_decay=weight_decay),
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,186 @@
+"""``rlstream sft``: conversations laid out as episodes lay them out, malformed lines
+refused by number, and a run that learns and leaves a checkpoint RL starts from."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from connectors.base import Task, make
+from pipeline.cli.main import main
+from pipeline.errors import InvalidConfigError
+from pipeline.policy.chat import ChatTokenizer
+from pipeline.policy.hf_config import read_model_config
+from pipeline.policy.hf_init import init_checkpoint
+from pipeline.policy.hf_weights import load_model
+from pipeline.rollout.config import EpisodeLimits
+from pipeline.rollout.episode import GroupSlot, run_episode
+from pipeline.testing import ScriptedPolicy
+from pipeline.train.sft_data import load_examples
+
+CALC_TOOLS = [{"type": "function", "function": t} for t in make("calc").tools.describe()]
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_checkpoint(tmp_path_factory.mktemp("hf") / "qwen3", "qwen3", "tiny", seed=0)
+
+
+def _calc_conversation(expr: str, answer: int, question: str | None = None) -> dict[str, Any]:
+    call = {"type": "function", "function": {"name": "calc", "arguments": {"expression": expr}}}
+    return {
+        "messages": [
+            {"role": "user", "content": question or f"What is {expr}?"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": str(answer)},
+            {"role": "assistant", "content": str(answer)},
+        ],
+        "tools": CALC_TOOLS,
+    }
+
+
+def _write(path: Path, rows: list[Any]) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_a_conversation_has_the_tokens_of_the_episode_it_demonstrates(
+    qwen3: Path, tmp_path: Path
+) -> None:
+    """The SFT example of a tool-using conversation is token for token the trajectory of
+    the episode where the policy says the same: the opening with the tools listed, the
+    tool call in the template's format, the tool's result appended as an episode appends
+    it; the loss mask is the episode's policy tokens."""
+    tok = ChatTokenizer.load(qwen3)
+    (end,) = tok.encode("<|im_end|>")
+    call_text = '<tool_call>\n{"name": "calc", "arguments": {"expression": "6*7"}}\n</tool_call>'
+    policy = ScriptedPolicy([[*tok.encode(call_text), end], [*tok.encode("42"), end]], tok)
+    task = Task("calc-6*7+0", {"expression": "6*7+0", "answer": 42})
+    t = asyncio.run(
+        run_episode(
+            make("calc"),
+            GroupSlot("g", 4, 0, task),
+            policy,  # type: ignore[arg-type]
+            0,
+            tok,
+            EpisodeLimits(8),
+            "p",
+        )
+    )
+    assert t.status == "ok" and t.reward == 1.0
+    question = asyncio.run(make("calc").reset(task))
+    data = _write(tmp_path / "d.jsonl", [_calc_conversation("6*7", 42, question)])
+    (ex,) = load_examples(data, tok, 512)
+    assert ex.tokens.tolist() == t.tokens.tolist()
+    assert ex.mask.tolist() == t.loss_mask.astype(np.float32).tolist()
+    # a system prompt of the data's own is rendered by the template as it is written
+    conv = _calc_conversation("6*7", 42)
+    conv["messages"].insert(0, {"role": "system", "content": "You compute."})
+    (ex,) = load_examples(_write(tmp_path / "s.jsonl", [conv]), tok, 512)
+    text = tok.decode(ex.tokens.tolist(), specials=True)
+    assert text.startswith("<|im_start|>system\nYou compute.")
+    learned = tok.decode(ex.tokens[ex.mask > 0].tolist(), specials=True)
+    assert learned == call_text + "<|im_end|>" + "42<|im_end|>"
+
+
+GOOD = json.dumps(_calc_conversation("1+2", 3))
+
+
+@pytest.mark.parametrize(
+    ("line", "why"),
+    [
+        ("{not json", "is not JSON"),
+        ("[1, 2]", "is not an object"),
+        ('{"text": "hello"}', '"messages" must be a non-empty list'),
+        ('{"messages": []}', '"messages" must be a non-empty list'),
+        ('{"messages": [{"role": "robot", "content": "x"}]}', "has role 'robot'"),
+        (
+            '{"messages": [{"role": "user", "content": [{"type": "image"}]}]}',
+            "content must be text",
+        ),
+        ('{"messages": [{"role": "user", "content": "hi"}]}', "no assistant message"),
+        ('{"messages": [{"role": "assistant", "content": "hi"}]}', "before any user message"),
+        (
+            '{"messages": [{"role": "user", "content": "a"}, {"role": "tool", "content": "1"}]}',
+            "a tool result follows an assistant turn",
+        ),
+        (
+            '{"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "s"}, '
+            '{"role": "assistant", "content": "b"}]}',
+            "a system message comes first",
+        ),
+        (
+            '{"messages": [{"role": "user", "content": "a"}, '
+            '{"role": "assistant", "content": null, "tool_calls": [{"function": {}}]}]}',
+            "tool_calls must be a list",
+        ),
+        (
+            '{"messages": [{"role": "user", "content": "a"}, '
+            '{"role": "assistant", "content": "b"}], "tools": [{"description": "no name"}]}',
+            "each tool needs a name",
+        ),
+        ("x" * (4 << 20) + "\n", "is longer than"),
+    ],
+)
+def test_a_malformed_line_is_refused_with_its_number(
+    qwen3: Path, tmp_path: Path, line: str, why: str
+) -> None:
+    data = _write(tmp_path / "d.jsonl", [GOOD, "", line, GOOD])
+    with pytest.raises(InvalidConfigError, match=rf"line 3: .*{__import__('re').escape(why)}"):
+        load_examples(data, ChatTokenizer.load(qwen3), 512)
+
+
+def test_a_conversation_longer_than_a_row_is_refused(qwen3: Path, tmp_path: Path) -> None:
+    data = _write(tmp_path / "d.jsonl", [GOOD, _calc_conversation("1+2", 3, "x " * 800)])
+    with pytest.raises(InvalidConfigError, match=r"line 2: \d+ tokens, more than the 512"):
+        load_examples(data, ChatTokenizer.load(qwen3), 512)
+    with pytest.raises(InvalidConfigError, match="is not a file"):
+        load_examples(tmp_path / "none.jsonl", ChatTokenizer.load(qwen3), 128)
+
+
+@pytest.mark.parametrize("lora", [0, 8])
+def test_sft_learns_and_writes_the_checkpoint_rl_starts_from(
+    qwen3: Path, tmp_path: Path, lora: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Full and LoRA fine-tuning through the CLI: the loss on assistant tokens falls to a
+    fraction of where it started, a progress line per step, metrics and a loss plot, and
+    ``out/model`` loads as a checkpoint of the same architecture and tokenizer."""
+    rng = random.Random(0)
+    rows = []
+    for _ in range(48):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        rows.append(_calc_conversation(f"{a}*{b}", a * b))
+    data = _write(tmp_path / "d.jsonl", rows)
+    out = tmp_path / "out"
+    args = ["sft", "--model", str(qwen3), "--data", str(data), "--out", str(out)]
+    args += ["--epochs", "4", "--rows", "2", "--length", "1024", "--warmup-steps", "2"]
+    args += ["--lora.rank", str(lora), "--json"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "sft step 1/" in printed and "start RL with: rlstream run --model" in printed
+    figures = json.loads(printed.strip().splitlines()[-1])["figures"]
+    steps = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == figures["steps"] > 8
+    assert figures["final_loss"] < 0.5 * figures["first_loss"], figures
+    assert (out / "loss.png").stat().st_size > 1000
+    cfg = read_model_config(out / "model")
+    assert cfg.same_architecture(read_model_config(qwen3))
+    assert ChatTokenizer.load(out / "model").id == ChatTokenizer.load(qwen3).id
+    load_model(cfg)  # whole and finite
+    # a second run into the same place is refused before any work
+    assert main(args[:-1]) == 2
+    assert "is not empty: choose another --out" in capsys.readouterr().err
+
+
+def test_sft_needs_a_checkpoint_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = _write(tmp_path / "d.jsonl", [GOOD])
+    assert main(["sft", "--data", str(data), "--out", str(tmp_path / "o")]) == 2
+    assert "needs --model DIR" in capsys.readouterr().err
