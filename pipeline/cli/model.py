@@ -37,6 +37,20 @@ def register(sub: Any) -> None:
     )
     init.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     init.add_argument(
+        "--tokenizer-text",
+        type=Path,
+        default=None,
+        help="train the byte-level BPE tokenizer on this file: lines of text, or JSONL "
+        "conversations (rlstream sft's format: their messages and tool calls); default: a "
+        "built-in sample of arithmetic, words and tool calls",
+    )
+    init.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="the tokenizer's vocabulary at most (default: 1000 for tiny, 8000 otherwise)",
+    )
+    init.add_argument(
         "-o", "--output", type=Path, required=True, help="the checkpoint directory to write"
     )
     init.set_defaults(func=cmd_init)
@@ -56,8 +70,11 @@ def register(sub: Any) -> None:
 def cmd_init(args: argparse.Namespace) -> int:
     from pipeline.policy.hf_init import init_checkpoint
 
-    out = init_checkpoint(args.output, args.family, args.preset, args.seed)
-    print(f"wrote a random {args.family} ({args.preset}) checkpoint to {out}")
+    out = init_checkpoint(
+        args.output, args.family, args.preset, args.seed, args.tokenizer_text, args.vocab_size
+    )
+    trained_on = f" (tokenizer trained on {args.tokenizer_text})" if args.tokenizer_text else ""
+    print(f"wrote a random {args.family} ({args.preset}) checkpoint to {out}{trained_on}")
     return 0
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -147,8 +148,40 @@ def corpus(seed: int, lines: int = 4000) -> list[str]:
     return out
 
 
-def train_tokenizer(fmt: dict[str, Any], vocab_size: int, seed: int) -> Any:
-    """A byte-level BPE (as GPT-2, Llama 3 and Qwen use) trained on :func:`corpus`."""
+#: bounds of a trained tokenizer's vocabulary (the byte alphabet and specials come first)
+MIN_VOCAB, MAX_VOCAB = 300, 262144
+
+
+def text_sample(path: Path) -> Iterator[str]:
+    """The text of ``path`` to train a tokenizer on: each line, or for a JSONL file of
+    conversations (``rlstream sft``'s format) each message's text and tool calls' JSON,
+    as the chat template will write them. Bytes that are not UTF-8 are replaced."""
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                obj = json.loads(line) if line.lstrip().startswith("{") else None
+            except (ValueError, RecursionError):
+                obj = None
+            messages = obj.get("messages") if isinstance(obj, dict) else None
+            if not isinstance(messages, list):
+                yield line.rstrip("\n")
+                continue
+            for m in messages:
+                if not isinstance(m, dict):
+                    continue
+                if isinstance(m.get("content"), str):
+                    yield m["content"]
+                for call in m.get("tool_calls") or []:
+                    fn = call.get("function", call) if isinstance(call, dict) else None
+                    if isinstance(fn, dict):
+                        yield json.dumps({"name": fn.get("name"), "arguments": fn.get("arguments")})
+
+
+def train_tokenizer(
+    fmt: dict[str, Any], vocab_size: int, seed: int, text: Iterable[str] | None = None
+) -> Any:
+    """A byte-level BPE (as GPT-2, Llama 3 and Qwen use) of ``vocab_size`` tokens at most,
+    trained on ``text`` (default: :func:`corpus`)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -165,7 +198,16 @@ def train_tokenizer(fmt: dict[str, Any], vocab_size: int, seed: int) -> Any:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus(seed), trainer=trainer)
+    seen = [0]
+
+    def counted(lines: Iterable[str]) -> Iterator[str]:
+        for line in lines:
+            seen[0] += len(line)
+            yield line
+
+    tok.train_from_iterator(counted(corpus(seed) if text is None else text), trainer=trainer)
+    if not seen[0]:
+        raise InvalidConfigError("the tokenizer's text sample holds no text")
     if fmt["added"]:
         tok.add_tokens(fmt["added"])
     return tok
@@ -189,18 +231,37 @@ def random_tensors(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
     return out
 
 
-def init_checkpoint(out: Path, family: str, preset: str = "tiny", seed: int = 0) -> Path:
+def init_checkpoint(
+    out: Path,
+    family: str,
+    preset: str = "tiny",
+    seed: int = 0,
+    text: Path | None = None,
+    vocab_size: int | None = None,
+) -> Path:
     """Write a random Hugging Face checkpoint of ``family`` (llama, qwen2, qwen3) and
-    ``preset`` (tiny, 0.5b-shape) into the empty or new directory ``out``."""
+    ``preset`` (tiny, 0.5b-shape) into the empty or new directory ``out``, its tokenizer
+    trained on the file ``text`` (:func:`text_sample`; default: a built-in sample of
+    arithmetic, words and tool calls) with ``vocab_size`` tokens at most (default 1000
+    for tiny, 8000 otherwise)."""
     if family not in ("llama", "qwen2", "qwen3"):
         raise InvalidConfigError(f"family {family!r} is not one of llama, qwen2, qwen3")
     if preset not in SHAPES:
         raise InvalidConfigError(f"preset {preset!r} is not one of {', '.join(SHAPES)}")
     if out.exists() and any(out.iterdir()):
         raise InvalidConfigError(f"{out} is not empty")
+    if vocab_size is None:
+        vocab_size = 1000 if preset == "tiny" else 8000
+    if isinstance(vocab_size, bool) or not MIN_VOCAB <= vocab_size <= MAX_VOCAB:
+        raise InvalidConfigError(
+            f"vocab_size must be an integer in [{MIN_VOCAB}, {MAX_VOCAB}], not {vocab_size}"
+        )
     fmt = FORMATS["llama3" if family == "llama" else "chatml"]
     shape = dict(SHAPES[preset])
-    tok = train_tokenizer(fmt, 1000 if preset == "tiny" else 8000, seed)
+    if text is not None and not text.is_file():
+        raise InvalidConfigError(f"{text} is not a file of text to train the tokenizer on")
+    sample = text_sample(text) if text is not None else None
+    tok = train_tokenizer(fmt, vocab_size, seed, sample)
     size = tok.get_vocab_size(with_added_tokens=True)
     vocab = max(shape.pop("vocab_size", 0), (size + 63) // 64 * 64)
     extra: dict[str, Any] = {}

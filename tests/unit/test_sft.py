@@ -184,3 +184,42 @@ def test_sft_needs_a_checkpoint_directory(
     data = _write(tmp_path / "d.jsonl", [GOOD])
     assert main(["sft", "--data", str(data), "--out", str(tmp_path / "o")]) == 2
     assert "needs --model DIR" in capsys.readouterr().err
+
+
+def test_model_init_trains_the_tokenizer_on_the_users_text(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``model init --tokenizer-text``: a word of the user's sample becomes one token
+    (it is many in the built-in tokenizer), a JSONL of conversations teaches the tool
+    call's JSON, the vocabulary stays within --vocab-size, and the checkpoint loads with
+    the family's chat template and tool-call markers."""
+    sample = tmp_path / "sample.txt"
+    sample.write_text("".join(f"zorblax quintessential {i}\n" for i in range(300)))
+    out = tmp_path / "m"
+    args = ["model", "init", "--family", "qwen3", "-o", str(out)]
+    assert main([*args, "--tokenizer-text", str(sample), "--vocab-size", "400"]) == 0
+    assert "tokenizer trained on" in capsys.readouterr().out
+    tok = ChatTokenizer.load(out)
+    builtin = ChatTokenizer.load(init_checkpoint(tmp_path / "b", "qwen3"))
+    assert len(tok.encode(" quintessential")) == 1 < len(builtin.encode(" quintessential"))
+    assert tok.vocab_size <= 400 + 16  # the specials and tool-call markers come on top
+    assert tok.call is not None and tok.end_call is not None
+    assert read_model_config(out).vocab_size >= tok.vocab_size
+    # conversations: their tool calls' JSON is what the tokenizer learns to write short
+    rng = random.Random(1)
+    convs = [_calc_conversation(f"{rng.randint(0, 999)}*7", 7) for _ in range(200)]
+    data = _write(tmp_path / "d.jsonl", convs)
+    assert main([*args[:-1], str(tmp_path / "c"), "--tokenizer-text", str(data)]) == 0
+    call = '{"name": "calc", "arguments": {"expression": '
+    assert len(ChatTokenizer.load(tmp_path / "c").encode(call)) < len(builtin.encode(call))
+    # refused: no file, a vocabulary too small for the bytes, a file without text
+    assert main([*args[:-1], str(tmp_path / "x"), "--tokenizer-text", str(tmp_path / "no")]) == 2
+    assert "is not a file of text" in capsys.readouterr().err
+    assert main([*args[:-1], str(tmp_path / "y"), "--vocab-size", "100"]) == 2
+    assert "vocab_size must be an integer in [300" in capsys.readouterr().err
+    (tmp_path / "empty.txt").write_text("")
+    assert (
+        main([*args[:-1], str(tmp_path / "z"), "--tokenizer-text", str(tmp_path / "empty.txt")])
+        == 2
+    )
+    assert "holds no text" in capsys.readouterr().err
