@@ -22,7 +22,7 @@ import json
 import logging
 import math
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -145,6 +145,15 @@ class Environment(abc.ABC):
         if self.tools is None:
             raise KeyError(name)
         return (await self.tools.call(name, arguments)).text
+
+    async def demonstrate(
+        self, task: Task, call: Callable[[str, dict[str, Any]], Awaitable[str]]
+    ) -> str | None:
+        """A scripted solver of ``task``, after :meth:`reset`: it calls tools through
+        ``await call(name, arguments)`` (which returns the tool's result) and returns its
+        final answer; the demonstrations ``rlstream env demos`` writes for ``rlstream
+        sft``. None (the default): the environment has no solver."""
+        return None
 
     async def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Release what the episode holds (sessions, processes)."""

@@ -15,7 +15,7 @@ import asyncio
 import operator
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from connectors.base import Environment, LatencyModel, Step, Task
@@ -172,6 +172,12 @@ class Calculator(Environment):
         return Step(
             "Wrong, try again." if m else "Answer with a number.", 0.0, last, {"solved": False}
         )
+
+    async def demonstrate(
+        self, task: Task, call: Callable[[str, dict[str, Any]], Awaitable[str]]
+    ) -> str | None:
+        """The tool's way: ask ``calc`` for the expression, answer what it says."""
+        return await call("calc", {"expression": task.params["expression"]})
 
     async def _calc(self, expression: str) -> str:
         await asyncio.sleep(self.latency.sample(self._rng))

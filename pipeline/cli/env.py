@@ -25,9 +25,10 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "action",
-        choices=["serve", "list", "tools"],
-        help="list the registered environments, serve one over HTTP, or list the tools "
-        "of MCP servers (--tools)",
+        choices=["serve", "list", "tools", "demos"],
+        help="list the registered environments, serve one over HTTP, list the tools "
+        "of MCP servers (--tools), or write demonstrations of its scripted solver for "
+        "rlstream sft (demos NAME --episodes N -o FILE)",
     )
     p.add_argument("name", nargs="?", help="registered environment name (serve)")
     p.add_argument(
@@ -37,6 +38,9 @@ def register(sub: Any) -> None:
         metavar="mcp:COMMAND|mcp:URL",
         help="an MCP server whose tools to list (tools; repeatable)",
     )
+    p.add_argument("--episodes", type=int, default=300, help="demonstrations to write (demos)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the demonstrations' tasks")
+    p.add_argument("-o", "--output", default=None, help="the JSONL file to write (demos)")
     add_json_arg(p)
     add_flags(p, ServeConfig)
     p.set_defaults(func=cmd_env, settings=ServeConfig)
@@ -64,6 +68,8 @@ def cmd_env(args: argparse.Namespace) -> int:
         return _list_tools(args)
     if args.name:
         args.env = args.name
+    if args.action == "demos":
+        return _demos(args)
     elif not args._config_file:
         raise RlstreamError("env serve needs the environment's NAME")
     cfg = resolve(ServeConfig, args)
@@ -116,4 +122,34 @@ def _list_tools(args: argparse.Namespace) -> int:
         print(f"{t['name']}  {t['description'].splitlines()[0] if t['description'] else ''}")
         print(f"    {json.dumps(t['parameters'], sort_keys=True)}")
     print(f"{len(tools)} tools from {len(args.tools)} server(s)")
+    return 0
+
+
+def _demos(args: argparse.Namespace) -> int:
+    """``rlstream env demos NAME --episodes N -o FILE``: the scripted solver's solved
+    conversations, for ``rlstream sft``."""
+    from pathlib import Path
+
+    from connectors.serve import ServeConfig
+    from pipeline.cli.common import print_result
+    from pipeline.rollout.demos import write_demonstrations
+
+    if not args.name or not args.output:
+        raise RlstreamError("env demos needs the environment's NAME and -o FILE")
+    cfg = resolve(ServeConfig, args)
+    out = Path(args.output)
+    done = write_demonstrations(
+        cfg.env,
+        dict(cfg.env_options),
+        args.episodes,
+        out,
+        args.seed,
+        lambda s: print(s, flush=True),
+    )
+    print_result(
+        args,
+        {"figures": done},
+        f"wrote {done['written']} demonstrations to {out} ({done['unsolved']} tasks the solver "
+        "did not solve left out)",
+    )
     return 0

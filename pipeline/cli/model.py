@@ -31,11 +31,19 @@ def register(sub: Any) -> None:
     )
     init.add_argument(
         "--preset",
-        choices=["tiny", "0.5b-shape"],
+        choices=["tiny", "small", "0.5b-shape"],
         default="tiny",
-        help="its sizes: tiny (fast tests) or the shapes of a 0.5B model",
+        help="its sizes: tiny (fast tests), small (4 layers of 128: learns a task on a CPU) "
+        "or the shapes of a 0.5B model",
     )
     init.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    init.add_argument(
+        "--init",
+        choices=["transformers", "wide"],
+        default="transformers",
+        help="the weights: as transformers initializes a new model (std 0.02: a start that "
+        "trains), or spread wide (every logit shows the family's differences: parity tests)",
+    )
     init.add_argument(
         "--tokenizer-text",
         type=Path,
@@ -48,7 +56,7 @@ def register(sub: Any) -> None:
         "--vocab-size",
         type=int,
         default=None,
-        help="the tokenizer's vocabulary at most (default: 1000 for tiny, 8000 otherwise)",
+        help="the tokenizer's vocabulary at most (default: 1000, 8000 for 0.5b-shape)",
     )
     init.add_argument(
         "-o", "--output", type=Path, required=True, help="the checkpoint directory to write"
@@ -71,7 +79,13 @@ def cmd_init(args: argparse.Namespace) -> int:
     from pipeline.policy.hf_init import init_checkpoint
 
     out = init_checkpoint(
-        args.output, args.family, args.preset, args.seed, args.tokenizer_text, args.vocab_size
+        args.output,
+        args.family,
+        args.preset,
+        args.seed,
+        args.tokenizer_text,
+        args.vocab_size,
+        args.init,
     )
     trained_on = f" (tokenizer trained on {args.tokenizer_text})" if args.tokenizer_text else ""
     print(f"wrote a random {args.family} ({args.preset}) checkpoint to {out}{trained_on}")

@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 
 from tokenizers import Tokenizer
 
+from connectors.tools import argument_text
 from pipeline.errors import InvalidConfigError
 from pipeline.policy.hf_format import load_json, load_tokenizer
 from pipeline.policy.template import Conversation, render_bounded
@@ -245,10 +246,7 @@ class ChatTokenizer:
             return None
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             return None
-        args = call.get("arguments", call.get("parameters", ""))
-        if isinstance(args, dict) and len(args) == 1:
-            args = next(iter(args.values()))
-        return call["name"], args if isinstance(args, str) else json.dumps(args)
+        return call["name"], argument_text(call.get("arguments", call.get("parameters", "")))
 
 
 def _functions(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

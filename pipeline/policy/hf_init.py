@@ -33,6 +33,14 @@ SHAPES: dict[str, dict[str, Any]] = {
         "d_ff": 128,
         "max_len": 1024,
     },
+    "small": {
+        "d_model": 128,
+        "num_layers": 4,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "d_ff": 384,
+        "max_len": 1024,
+    },
     "0.5b-shape": {
         "d_model": 896,
         "num_layers": 24,
@@ -213,11 +221,28 @@ def train_tokenizer(
     return tok
 
 
-def random_tensors(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
-    """Hugging Face tensors of a model of ``cfg``, drawn from ``seed``: kernels with
-    standard deviation ``1/sqrt(fan_in)``, embeddings 1, norms near 1, biases 0.1."""
+#: how ``model init`` draws the weights: ``transformers`` as transformers initializes a
+#: new model (normal with std ``initializer_range`` 0.02, norms 1, biases 0: a start
+#: that trains), ``wide`` spread wide enough that the families' differences show in
+#: every logit (the parity tests' checkpoints)
+INITS = ("transformers", "wide")
+
+
+def random_tensors(cfg: ModelConfig, seed: int, init: str = "wide") -> dict[str, np.ndarray]:
+    """Hugging Face tensors of a model of ``cfg``, drawn from ``seed`` (:data:`INITS`);
+    ``wide``: kernels with standard deviation ``1/sqrt(fan_in)``, embeddings 1, norms
+    near 1, biases 0.1."""
     rng = np.random.default_rng(seed)
     out = {}
+    if init == "transformers":
+        for name, shape in sorted(hf_shapes(cfg).items()):
+            if name.endswith("norm.weight") or "layernorm" in name:
+                out[name] = np.ones(shape, np.float32)
+            elif name.endswith(".bias"):
+                out[name] = np.zeros(shape, np.float32)
+            else:
+                out[name] = (0.02 * rng.standard_normal(shape)).astype(np.float32)
+        return out
     for name, shape in sorted(hf_shapes(cfg).items()):
         if name.endswith("norm.weight") or "layernorm" in name:
             a = 1.0 + 0.1 * rng.standard_normal(shape)
@@ -238,20 +263,23 @@ def init_checkpoint(
     seed: int = 0,
     text: Path | None = None,
     vocab_size: int | None = None,
+    init: str = "wide",
 ) -> Path:
     """Write a random Hugging Face checkpoint of ``family`` (llama, qwen2, qwen3) and
     ``preset`` (tiny, 0.5b-shape) into the empty or new directory ``out``, its tokenizer
     trained on the file ``text`` (:func:`text_sample`; default: a built-in sample of
     arithmetic, words and tool calls) with ``vocab_size`` tokens at most (default 1000
-    for tiny, 8000 otherwise)."""
+    for tiny and small, 8000 for 0.5b-shape); the weights drawn as ``init`` says (:data:`INITS`)."""
     if family not in ("llama", "qwen2", "qwen3"):
         raise InvalidConfigError(f"family {family!r} is not one of llama, qwen2, qwen3")
     if preset not in SHAPES:
         raise InvalidConfigError(f"preset {preset!r} is not one of {', '.join(SHAPES)}")
     if out.exists() and any(out.iterdir()):
         raise InvalidConfigError(f"{out} is not empty")
+    if init not in INITS:
+        raise InvalidConfigError(f"init {init!r} is not one of {', '.join(INITS)}")
     if vocab_size is None:
-        vocab_size = 1000 if preset == "tiny" else 8000
+        vocab_size = 8000 if preset == "0.5b-shape" else 1000
     if isinstance(vocab_size, bool) or not MIN_VOCAB <= vocab_size <= MAX_VOCAB:
         raise InvalidConfigError(
             f"vocab_size must be an integer in [{MIN_VOCAB}, {MAX_VOCAB}], not {vocab_size}"
@@ -287,7 +315,7 @@ def init_checkpoint(
         },
     )
     out.mkdir(parents=True, exist_ok=True)
-    tensorfile.write(out / "model.safetensors", random_tensors(cfg, seed))
+    tensorfile.write(out / "model.safetensors", random_tensors(cfg, seed, init))
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tok.save(str(out / "tokenizer.json"))
     added = {

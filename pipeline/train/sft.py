@@ -233,9 +233,10 @@ def run_sft(cfg: SFTConfig, progress: Callable[[str], None] = print) -> dict[str
             with metrics_path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
             eta = elapsed / step * (total - step)
+            rate = tokens_seen / max(elapsed, 1e-9)
             progress(
                 f"sft step {step}/{total} epoch {epoch}/{cfg.epochs} loss {m['loss']:.4f} "
-                f"grad_norm {m['grad_norm']:.3f} tokens/s {tokens_seen / max(elapsed, 1e-9):.0f} "
+                f"grad_norm {m['grad_norm']:.3f} learned tokens/s {rate:.0f} "
                 f"elapsed {elapsed:.0f}s eta {eta:.0f}s"
             )
     final = trained if base is None else merged(base, trained, cfg.lora.scale)

@@ -6,13 +6,16 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 from connectors.base import Task, make
+from connectors.builtin import Calculator, safe_arithmetic
 from pipeline.cli.main import main
 from pipeline.errors import InvalidConfigError
 from pipeline.policy.chat import ChatTokenizer
@@ -20,6 +23,7 @@ from pipeline.policy.hf_config import read_model_config
 from pipeline.policy.hf_init import init_checkpoint
 from pipeline.policy.hf_weights import load_model
 from pipeline.rollout.config import EpisodeLimits
+from pipeline.rollout.demos import write_demonstrations
 from pipeline.rollout.episode import GroupSlot, run_episode
 from pipeline.testing import ScriptedPolicy
 from pipeline.train.sft_data import load_examples
@@ -132,7 +136,7 @@ def test_a_malformed_line_is_refused_with_its_number(
     qwen3: Path, tmp_path: Path, line: str, why: str
 ) -> None:
     data = _write(tmp_path / "d.jsonl", [GOOD, "", line, GOOD])
-    with pytest.raises(InvalidConfigError, match=rf"line 3: .*{__import__('re').escape(why)}"):
+    with pytest.raises(InvalidConfigError, match=rf"line 3: .*{re.escape(why)}"):
         load_examples(data, ChatTokenizer.load(qwen3), 512)
 
 
@@ -205,6 +209,10 @@ def test_model_init_trains_the_tokenizer_on_the_users_text(
     assert tok.vocab_size <= 400 + 16  # the specials and tool-call markers come on top
     assert tok.call is not None and tok.end_call is not None
     assert read_model_config(out).vocab_size >= tok.vocab_size
+    # weights as transformers initializes a new model (a start that trains)
+    weights = load_file(out / "model.safetensors")
+    assert abs(float(weights["model.embed_tokens.weight"].std()) - 0.02) < 0.002
+    assert np.all(weights["model.norm.weight"] == 1.0)
     # conversations: their tool calls' JSON is what the tokenizer learns to write short
     rng = random.Random(1)
     convs = [_calc_conversation(f"{rng.randint(0, 999)}*7", 7) for _ in range(200)]
@@ -223,3 +231,38 @@ def test_model_init_trains_the_tokenizer_on_the_users_text(
         == 2
     )
     assert "holds no text" in capsys.readouterr().err
+
+
+class WrongCalc(Calculator):
+    """A solver that answers one more than the tool says."""
+
+    async def demonstrate(self, task: Task, call: Any) -> str | None:
+        return str(int(await call("calc", {"expression": task.params["expression"]})) + 1)
+
+
+def test_demonstrations_are_the_solvers_solved_conversations(
+    qwen3: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``env demos``: the scripted solver played through the environment, written in the
+    chat format ``sft`` reads (the tool's real result, the environment's tools); an
+    environment without a solver, or one whose solver fails, writes nothing."""
+    out = tmp_path / "demos.jsonl"
+    args = ["env", "demos", "calc", "--env-option", "max_operand=999", "--episodes", "12"]
+    assert main([*args, "-o", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["figures"]["written"] == 12
+    rows = [json.loads(ln) for ln in out.read_text().splitlines()]
+    assert len(rows) == 12 and len({r["messages"][0]["content"] for r in rows}) == 12
+    for r in rows:
+        user, call, result, answer = r["messages"]
+        expr = call["tool_calls"][0]["function"]["arguments"]["expression"]
+        assert (
+            user["content"] == f"What is {expr}?" and max(map(int, re.split("[-+*]", expr))) <= 999
+        )
+        assert result["content"] == answer["content"] == str(safe_arithmetic(expr))
+        assert r["tools"] == CALC_TOOLS
+    assert len(load_examples(out, ChatTokenizer.load(qwen3), 1024)) == 12
+    assert main(["env", "demos", "guess", "-o", str(tmp_path / "g.jsonl")]) == 2
+    assert "has no scripted solver" in capsys.readouterr().err
+    with pytest.raises(InvalidConfigError, match="solver failed 5 tasks for 0 solved"):
+        write_demonstrations(f"{__name__}:WrongCalc", {}, 4, tmp_path / "w.jsonl")
+    assert not (tmp_path / "w.jsonl").exists() and not (tmp_path / "g.jsonl").exists()
