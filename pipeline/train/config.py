@@ -141,6 +141,15 @@ class GRPOConfig:
         )
 
 
+def default_buckets(max_len: int) -> tuple[int, ...]:
+    """64 doubled while it fits ``max_len`` (at least one bucket: ``max_len`` itself)."""
+    out, b = [], 64
+    while b <= max_len:
+        out.append(b)
+        b *= 2
+    return tuple(out) or (max_len,)
+
+
 def adamw(
     learning_rate: float,
     warmup_steps: int,
@@ -196,8 +205,9 @@ class TrainerConfig:
     #: train a partial batch (padding rows) when no full one came for this long (s)
     batch_timeout_s: float = 30.0
     #: padded sequence lengths (each must fit the model's max_len); a packed batch's rows
-    #: are as long as the largest
-    buckets: tuple[int, ...] = (64, 128, 256)
+    #: are as long as the largest; empty: 64 doubled up to the model's max_len (64, 128,
+    #: 256 for the built-in model; up to 1024 for a checkpoint of max_len 1024)
+    buckets: tuple[int, ...] = ()
     #: several trajectories per row (each attending only to itself), in one of a few row
     #: counts; false: one trajectory per row, padded to its length bucket
     packing: bool = True
@@ -286,6 +296,8 @@ class TrainerConfig:
         ):
             check_range(name, value, low, above=above)
         check_range("min_logprob", self.min_logprob, high=0.0)
+        if self.buckets == ():
+            object.__setattr__(self, "buckets", default_buckets(self.model.max_len))
         if not self.buckets or min(self.buckets) < 2:
             raise InvalidConfigError(f"buckets must be lengths of at least 2, got {self.buckets}")
         if max(self.buckets) > self.model.max_len:

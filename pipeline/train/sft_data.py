@@ -28,6 +28,7 @@ A line that is not such a conversation is refused with its line number and the r
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -267,6 +268,7 @@ def load_examples(
     ``max_tokens`` is refused with its line number."""
     convs = read_conversations(path)
     out: list[Example] = []
+    shown = time.monotonic()
     for batch in _batches(convs):
         wanted = [r for c in batch for r in _renderings(c)]
         try:
@@ -287,5 +289,7 @@ def load_examples(
                     "(raise --length, up to the model's max_len, or shorten it)",
                 )
             out.append(ex)
-        progress(f"tokenized {len(out)}/{len(convs)} conversations")
+        if time.monotonic() - shown > 2 or len(out) == len(convs):
+            shown = time.monotonic()
+            progress(f"tokenized {len(out)}/{len(convs)} conversations")
     return out

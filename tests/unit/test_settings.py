@@ -317,3 +317,15 @@ def test_hostile_config_files_are_refused_in_one_sentence(
     assert time.monotonic() - start < 2
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 300 << 10  # KiB
     assert len(str(refused.value)) < 500
+
+
+def test_buckets_follow_the_models_context_unless_given() -> None:
+    """A checkpoint with a longer context gets buckets up to it (a tool-listing prompt of
+    500 tokens is not too_long for a model of 1024), the built-in model keeps 64-256."""
+    from pipeline.policy.config import ModelConfig
+    from pipeline.train.config import TrainerConfig
+
+    assert TrainerConfig().buckets == (64, 128, 256)
+    assert TrainerConfig(model=ModelConfig(max_len=1024)).buckets == (64, 128, 256, 512, 1024)
+    assert TrainerConfig(model=ModelConfig(max_len=48)).buckets == (48,)
+    assert TrainerConfig(buckets=(32, 96)).buckets == (32, 96)
