@@ -22,6 +22,7 @@ from pipeline.errors import InvalidConfigError
 from pipeline.policy import tensorfile
 from pipeline.policy.config import ModelConfig
 from pipeline.policy.hf_config import hf_config, hf_shapes
+from pipeline.policy.template import compile_template
 
 #: sizes by preset name; ``0.5b-shape`` is Qwen2.5-0.5B's configuration
 SHAPES: dict[str, dict[str, Any]] = {
@@ -160,10 +161,13 @@ def corpus(seed: int, lines: int = 4000) -> list[str]:
 MIN_VOCAB, MAX_VOCAB = 300, 262144
 
 
-def text_sample(path: Path) -> Iterator[str]:
+def text_sample(path: Path, template: str | None = None) -> Iterator[str]:
     """The text of ``path`` to train a tokenizer on: each line, or for a JSONL file of
-    conversations (``rlstream sft``'s format) each message's text and tool calls' JSON,
-    as the chat template will write them. Bytes that are not UTF-8 are replaced."""
+    conversations (``rlstream sft``'s format) each conversation as the chat ``template``
+    (one of rlstream's own, :data:`FORMATS`, rendered here) lays it out, tools listing and
+    tool calls included (without a template, or where it fails, each message's text and
+    tool calls' JSON). Bytes that are not UTF-8 are replaced."""
+    render = compile_template(template).render if template is not None else None
     with path.open(encoding="utf-8", errors="replace") as f:
         for line in f:
             try:
@@ -171,18 +175,34 @@ def text_sample(path: Path) -> Iterator[str]:
             except (ValueError, RecursionError):
                 obj = None
             messages = obj.get("messages") if isinstance(obj, dict) else None
-            if not isinstance(messages, list):
+            if not isinstance(obj, dict) or not isinstance(messages, list):
                 yield line.rstrip("\n")
                 continue
-            for m in messages:
-                if not isinstance(m, dict):
+            if render is not None:
+                listed = obj.get("tools")
+                tools = [
+                    t if "function" in t else {"type": "function", "function": t}
+                    for t in (listed if isinstance(listed, list) else [])
+                    if isinstance(t, dict)
+                ]
+                try:
+                    yield render(messages=messages, tools=tools or None, bos_token="")
                     continue
-                if isinstance(m.get("content"), str):
-                    yield m["content"]
-                for call in m.get("tool_calls") or []:
-                    fn = call.get("function", call) if isinstance(call, dict) else None
-                    if isinstance(fn, dict):
-                        yield json.dumps({"name": fn.get("name"), "arguments": fn.get("arguments")})
+                except Exception:  # a line the template cannot lay out: its text alone
+                    pass
+            yield from _message_text(messages)
+
+
+def _message_text(messages: list[Any]) -> Iterator[str]:
+    for m in messages:
+        if not isinstance(m, dict):
+            continue
+        if isinstance(m.get("content"), str):
+            yield m["content"]
+        for call in m.get("tool_calls") or []:
+            fn = call.get("function", call) if isinstance(call, dict) else None
+            if isinstance(fn, dict):
+                yield json.dumps({"name": fn.get("name"), "arguments": fn.get("arguments")})
 
 
 def train_tokenizer(
@@ -288,7 +308,7 @@ def init_checkpoint(
     shape = dict(SHAPES[preset])
     if text is not None and not text.is_file():
         raise InvalidConfigError(f"{text} is not a file of text to train the tokenizer on")
-    sample = text_sample(text) if text is not None else None
+    sample = text_sample(text, fmt["template"]) if text is not None else None
     tok = train_tokenizer(fmt, vocab_size, seed, sample)
     size = tok.get_vocab_size(with_added_tokens=True)
     vocab = max(shape.pop("vocab_size", 0), (size + 63) // 64 * 64)

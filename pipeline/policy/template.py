@@ -95,7 +95,7 @@ def parse_template(source: str) -> jinja2.nodes.Template:
     return tree
 
 
-def _compile(source: str) -> jinja2.Template:
+def compile_template(source: str) -> jinja2.Template:
     """The template, compiled: only in the rendering process."""
     tree = parse_template(source)
     try:
@@ -169,7 +169,7 @@ def _child() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (RENDER_MEMORY, RENDER_MEMORY))
     try:
         request = json.loads(sys.stdin.buffer.read())
-        template = _compile(request["source"])
+        template = compile_template(request["source"])
         out, total = [], 0
         for messages, prompt in request["conversations"]:
             text = "".join(

@@ -219,7 +219,12 @@ def test_model_init_trains_the_tokenizer_on_the_users_text(
     data = _write(tmp_path / "d.jsonl", convs)
     assert main([*args[:-1], str(tmp_path / "c"), "--tokenizer-text", str(data)]) == 0
     call = '{"name": "calc", "arguments": {"expression": '
-    assert len(ChatTokenizer.load(tmp_path / "c").encode(call)) < len(builtin.encode(call))
+    learned = ChatTokenizer.load(tmp_path / "c")
+    assert len(learned.encode(call)) < len(builtin.encode(call))
+    # ... and the template's own text around them: the tools listing of every prompt
+    tools = make("calc").tools.describe()
+    opening = len(learned.opening("What is 1*7?", tools))
+    assert opening < 0.6 * len(builtin.opening("What is 1*7?", tools)), opening
     # refused: no file, a vocabulary too small for the bytes, a file without text
     assert main([*args[:-1], str(tmp_path / "x"), "--tokenizer-text", str(tmp_path / "no")]) == 2
     assert "is not a file of text" in capsys.readouterr().err
