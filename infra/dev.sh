@@ -2,6 +2,9 @@
 # rlstream's two set-up commands, each installing what it needs first:
 #
 #   infra/dev.sh run [ARGS...]   the main job (`rlstream run`) on a local Kafka broker
+#   infra/dev.sh run --recipe tool-arithmetic [ARGS...]
+#                                a recipe of recipes/: e.g. SFT then RL of a Qwen3-family
+#                                model on tool-using arithmetic
 #   infra/dev.sh test [PYTEST ARGS...]
 #                                lint, type checks, unit and integration tests against a
 #                                real local Kafka broker that it starts and always stops;
@@ -74,6 +77,13 @@ shift || true
 case "$cmd" in
   run)
     setup
+    if [ "${1:-}" = "--recipe" ]; then
+      recipe="${2:-}"
+      [ -n "$recipe" ] && [ -f "recipes/$recipe.sh" ] \
+        || die "--recipe needs one of: $(cd recipes && ls ./*.sh | sed 's|^./||; s|\.sh$||' | tr '\n' ' ')"
+      shift 2
+      RLSTREAM="$venv/bin/rlstream" exec bash "recipes/$recipe.sh" "$@"
+    fi
     exec "$venv/bin/rlstream" run "$@"
     ;;
   test)

@@ -451,3 +451,52 @@ def test_a_killed_run_leaves_not_even_its_own_broker(tmp_path: Path) -> None:
         proc.kill()
         proc.wait(30)
     wait_for(lambda: processes_of(tmp_path) == [], 90, "the broker and the children to stop")
+
+
+def test_the_tool_arithmetic_recipe_runs_every_stage(bootstrap: str, tmp_path: Path) -> None:
+    """recipes/tool-arithmetic.sh at toy sizes: demonstrations, a Qwen3-family checkpoint
+    with its tokenizer trained on them, SFT, then RL through Kafka from the SFT model, its
+    start and final policy evaluated; run again, the finished stages are reused."""
+    out = tmp_path / "ta"
+    env = {
+        **os.environ,
+        "OUT": str(out),
+        "DEMOS": "24",
+        "PRESET": "tiny",
+        "EPOCHS": "1",
+        "RLSTREAM": str(Path(sys.executable).parent / "rlstream"),
+    }
+    flags = [f"--bootstrap={bootstrap}", "--steps=2", "--eval-episodes=4", "--json"]
+    flags += ["--groups-per-batch=1", "--group-size=4", "--concurrency=8"]
+    proc = subprocess.run(
+        ["bash", "recipes/tool-arithmetic.sh", *flags],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len((out / "demos.jsonl").read_text().splitlines()) == 24
+    assert (out / "sft" / "loss.png").is_file() and (
+        out / "sft" / "model" / "config.json"
+    ).is_file()
+    figures = last_json(proc.stdout)["figures"]
+    assert figures["steps"] == 2
+    metrics = [json.loads(ln) for ln in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2] and "calc" in metrics[0]["success"]
+    assert json.loads((out / "rl" / "config.json").read_text())["model"]["path"] == str(
+        out / "sft" / "model"
+    )
+    # again: the stages done are kept (the run's own mistake is refused in one sentence)
+    made = {p: p.stat().st_mtime_ns for p in (out / "demos.jsonl", out / "sft" / "metrics.jsonl")}
+    again = subprocess.run(
+        ["bash", "recipes/tool-arithmetic.sh", "--steps=0"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
+    assert again.returncode == 2 and "steps" in again.stderr, again.stderr[-2000:]
+    assert {p: p.stat().st_mtime_ns for p in made} == made
