@@ -166,14 +166,6 @@ class ToolRegistry:
         return ToolResult(text, reason)
 
 
-def argument_text(arguments: Any) -> str:
-    """A tool call's arguments (a model's JSON object) as the text a tool is called with:
-    the value itself when there is one, else the JSON."""
-    if isinstance(arguments, dict) and len(arguments) == 1:
-        arguments = next(iter(arguments.values()))
-    return arguments if isinstance(arguments, str) else json.dumps(arguments)
-
-
 @functools.lru_cache(maxsize=256)
 def _validator(schema_json: str) -> jsonschema.protocols.Validator:
     """A checked validator per distinct schema (environments are made per episode)."""

@@ -32,7 +32,6 @@ from typing import Any, NamedTuple
 
 from tokenizers import Tokenizer
 
-from connectors.tools import argument_text
 from pipeline.errors import InvalidConfigError
 from pipeline.policy.hf_format import load_json, load_tokenizer
 from pipeline.policy.template import Conversation, render_bounded
@@ -247,6 +246,14 @@ class ChatTokenizer:
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             return None
         return call["name"], argument_text(call.get("arguments", call.get("parameters", "")))
+
+
+def argument_text(arguments: Any) -> str:
+    """A tool call's arguments (a model's JSON object) as the text a tool is called with:
+    the value itself when there is one, else the JSON."""
+    if isinstance(arguments, dict) and len(arguments) == 1:
+        arguments = next(iter(arguments.values()))
+    return arguments if isinstance(arguments, str) else json.dumps(arguments)
 
 
 def _functions(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -211,6 +211,14 @@ class Trajectory:
         return succeeded(self.reward, self.rewards)
 
     @property
+    def tool_calls(self) -> int:
+        """How many tool results the episode holds: the tool calls the policy made."""
+        turns = self.turns
+        if isinstance(turns, Turns):
+            return int(np.count_nonzero(turns.roles == ROLE_INDEX["tool"]))
+        return sum(t.role == "tool" for t in turns)
+
+    @property
     def min_version(self) -> int:
         """Oldest policy version among the policy tokens (-1 when there are none)."""
         return min((s.version for s in self.version_spans), default=-1)

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from connectors.base import Environment, Task, make
-from connectors.tools import argument_text
 from pipeline.errors import InvalidConfigError
+from pipeline.policy.chat import argument_text
 from pipeline.records.trajectory import succeeded
 
 

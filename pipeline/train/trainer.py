@@ -557,6 +557,10 @@ class Trainer(PartitionReading):
                 "success": {
                     e: float(np.mean([t.succeeded for t in ts])) for e, ts in by_env.items()
                 },
+                # share of episodes that called a tool at least once
+                "tool_call_rate": {
+                    e: float(np.mean([t.tool_calls > 0 for t in ts])) for e, ts in by_env.items()
+                },
                 "drops": dict(self.drops),
                 "lag": self._lag(),
             }

@@ -485,6 +485,7 @@ def test_the_tool_arithmetic_recipe_runs_every_stage(bootstrap: str, tmp_path: P
     assert figures["steps"] == 2
     metrics = [json.loads(ln) for ln in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2] and "calc" in metrics[0]["success"]
+    assert all(0 <= m["tool_call_rate"]["calc"] <= 1 for m in metrics)
     assert json.loads((out / "rl" / "config.json").read_text())["model"]["path"] == str(
         out / "sft" / "model"
     )

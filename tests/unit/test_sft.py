@@ -77,7 +77,7 @@ def test_a_conversation_has_the_tokens_of_the_episode_it_demonstrates(
             "p",
         )
     )
-    assert t.status == "ok" and t.reward == 1.0
+    assert t.status == "ok" and t.reward == 1.0 and t.tool_calls == 1
     question = asyncio.run(make("calc").reset(task))
     data = _write(tmp_path / "d.jsonl", [_calc_conversation("6*7", 42, question)])
     (ex,) = load_examples(data, tok, 512)
