@@ -14,8 +14,7 @@ def register(sub: Any) -> None:
     from connectors.serve import ServeConfig
     from pipeline.launch.config import RunConfig
     from pipeline.rollout.config import EvalConfig, ProducerConfig
-    from pipeline.train.config import TrainerConfig
-    from pipeline.train.sft import SFTConfig
+    from pipeline.train.config import SFTConfig, TrainerConfig
 
     p = sub.add_parser(
         "config", help="print a resolved configuration (of produce, train, sft, run, eval or env)"

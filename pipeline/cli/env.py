@@ -70,7 +70,7 @@ def cmd_env(args: argparse.Namespace) -> int:
         args.env = args.name
     if args.action == "demos":
         return _demos(args)
-    elif not args._config_file:
+    if not args.name and not args._config_file:
         raise RlstreamError("env serve needs the environment's NAME")
     cfg = resolve(ServeConfig, args)
     host = SessionHost.from_config(cfg)

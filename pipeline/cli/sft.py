@@ -10,7 +10,7 @@ from pipeline.settings import add_flags, resolve, write_file
 
 
 def register(sub: Any) -> None:
-    from pipeline.train.sft import SFTConfig
+    from pipeline.train.config import SFTConfig
 
     p = sub.add_parser(
         "sft",
@@ -27,7 +27,8 @@ def register(sub: Any) -> None:
 
 def cmd_sft(args: argparse.Namespace) -> int:
     from pipeline import compile_cache
-    from pipeline.train.sft import SFTConfig, run_sft
+    from pipeline.train.config import SFTConfig
+    from pipeline.train.sft import run_sft
 
     cfg = resolve(SFTConfig, args)
     compile_cache.enable()

@@ -13,13 +13,12 @@ not applied. ``out`` receives ``model/`` (a Hugging Face checkpoint, LoRA merged
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,73 +26,17 @@ import numpy as np
 import optax
 from flax import nnx
 
-from pipeline.errors import InvalidConfigError, TrainingDivergedError, check_range
+from pipeline.errors import InvalidConfigError, TrainingDivergedError
 from pipeline.policy.chat import ChatTokenizer
-from pipeline.policy.config import LoRAConfig, ModelConfig
 from pipeline.policy.hf_weights import export, load_model
 from pipeline.policy.lora import init_adapters, merged
 from pipeline.policy.model import finite_leaves, token_logprobs_and_entropy
 from pipeline.train.batching import first_fit
-from pipeline.train.config import adamw
+from pipeline.train.config import SFTConfig, adamw
 from pipeline.train.sft_data import Example, load_examples
 
 #: steps in a row whose loss or gradients are not finite before SFT stops
 MAX_NONFINITE_STEPS = 5
-
-
-@dataclasses.dataclass(frozen=True)
-class SFTConfig:
-    """What ``rlstream sft`` does (``rlstream config show sft`` prints it resolved)."""
-
-    FLAGS: ClassVar[dict[str, str | tuple[str, ...]]] = {}
-    ENV: ClassVar[dict[str, str]] = {}
-
-    #: the conversations, one JSON object per line ({"messages": [...], "tools": [...]})
-    data: Path = Path("sft.jsonl")
-    #: where model/ (the fine-tuned checkpoint), metrics.jsonl and loss.png go
-    out: Path = Path("runs/sft")
-    #: passes over the data
-    epochs: int = 3
-    #: stop after this many steps (None: after the epochs)
-    max_steps: int | None = None
-    #: packed rows per step
-    rows: int = 8
-    #: tokens per packed row (0: the model's max_len); a longer conversation is refused
-    length: int = 0
-    #: AdamW's peak learning rate (after warm-up), then cosine decay over the run
-    learning_rate: float = 1e-3
-    #: steps of linear warm-up
-    warmup_steps: int = 10
-    #: the learning rate at the end, as a fraction of the peak
-    decay_floor: float = 0.1
-    #: AdamW's weight decay
-    weight_decay: float = 0.0
-    #: gradients are clipped to this global norm
-    max_grad_norm: float = 1.0
-    #: seed of the order of the data and of LoRA's adapters
-    seed: int = 0
-    #: the model: a Hugging Face checkpoint directory (rlstream model init makes one)
-    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
-    #: low-rank adapters: with a rank only they are trained, then merged into model/
-    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
-
-    def __post_init__(self) -> None:
-        for name, value, low, above in (
-            ("epochs", self.epochs, 1, False),
-            ("max_steps", 1 if self.max_steps is None else self.max_steps, 1, False),
-            ("rows", self.rows, 1, False),
-            ("length", self.length, 0, False),
-            ("learning_rate", self.learning_rate, 0, True),
-            ("warmup_steps", self.warmup_steps, 0, False),
-            ("weight_decay", self.weight_decay, 0, False),
-            ("max_grad_norm", self.max_grad_norm, 0, True),
-        ):
-            check_range(name, value, low, above=above)
-        check_range("decay_floor", self.decay_floor, 0.0, 1.0)
-        if self.length and self.model.path and self.length > self.model.max_len:
-            raise InvalidConfigError(
-                f"length {self.length} exceeds the model's max_len {self.model.max_len}"
-            )
 
 
 class Packed:

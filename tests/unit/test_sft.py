@@ -271,3 +271,29 @@ def test_demonstrations_are_the_solvers_solved_conversations(
     with pytest.raises(InvalidConfigError, match="solver failed 5 tasks for 0 solved"):
         write_demonstrations(f"{__name__}:WrongCalc", {}, 4, tmp_path / "w.jsonl")
     assert not (tmp_path / "w.jsonl").exists() and not (tmp_path / "g.jsonl").exists()
+
+
+def test_env_serve_still_takes_its_name_beside_demos() -> None:
+    """``env serve NAME`` and ``env demos NAME`` share one parser: serve without a name or
+    a config file is refused, with one it is resolved to that environment."""
+    from pipeline.cli.main import build_parser
+
+    args = build_parser().parse_args(["env", "serve", "calc", "--port", "1"])
+    assert (args.action, args.name) == ("serve", "calc")
+    assert main(["env", "serve"]) == 2
+
+
+def test_the_command_line_is_built_without_importing_jax() -> None:
+    """Every sub-command registers without importing JAX (``sft``'s settings live apart
+    from its training code): a process configures its logging before JAX loads, and
+    ``--help`` or a mistake answers at once."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from pipeline.cli.main import build_parser; build_parser(); "
+        "print(sorted(m for m in ('jax', 'flax', 'optax', 'absl') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
