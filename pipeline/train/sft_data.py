@@ -270,15 +270,16 @@ def load_examples(
     out: list[Example] = []
     shown = time.monotonic()
     for batch in _batches(convs):
-        wanted = [r for c in batch for r in _renderings(c)]
+        each = [_renderings(c) for c in batch]
+        wanted = [r for rs in each for r in rs]
         try:
             rendered = chat.render_many(wanted, batch[0].tools)
         except InvalidConfigError as e:
             lines = f"{batch[0].line}-{batch[-1].line}"
             raise InvalidConfigError(f"{path} lines {lines}: {e}") from None
         k = 0
-        for c in batch:
-            n = len(_renderings(c))
+        for c, rs in zip(batch, each, strict=True):
+            n = len(rs)
             ex = layout(chat, c, rendered[k : k + n], str(path))
             k += n
             if len(ex.tokens) > max_tokens:
