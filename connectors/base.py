@@ -169,6 +169,7 @@ class Environment(abc.ABC):
 _REGISTRY: dict[str, Callable[..., Environment] | str] = {
     "guess": "connectors.builtin:GuessNumber",
     "calc": "connectors.builtin:Calculator",
+    "echo": "connectors.builtin:Echo",
     "gym": "connectors.gym:GymEnvironment",
     "http": "connectors.http:HttpEnvironment",
     "process": "connectors.process:ProcessEnvironment",

@@ -2,9 +2,12 @@
 
 - ``guess``: find a secret number with higher/lower feedback (learnable from scratch by
   the tiny default policy on two CPU cores);
-- ``calc``: answer an arithmetic question, optionally using the ``calc`` tool.
+- ``calc``: answer an arithmetic question, optionally using the ``calc`` tool;
+- ``echo``: repeat a string of digits and operators exactly: copying, which a pretrained
+  model knows and a random one must learn (its demonstrations are copy drills to mix into
+  another task's SFT data).
 
-Both take ``latency`` (a :class:`LatencyModel`) to stand in for tools and remote
+All take ``latency`` (a :class:`LatencyModel`) to stand in for tools and remote
 environments, with a heavy tail.
 """
 
@@ -182,3 +185,46 @@ class Calculator(Environment):
     async def _calc(self, expression: str) -> str:
         await asyncio.sleep(self.latency.sample(self._rng))
         return str(safe_arithmetic(expression))
+
+
+class Echo(Environment):
+    """Repeat a string of 1 to ``max_numbers`` numbers below 1000 joined by ``+ - *``
+    (sometimes negative) exactly. Reward 1 for the exact string as the answer."""
+
+    name = "echo"
+
+    def __init__(
+        self, max_numbers: int = 4, latency: LatencyModel | None = None, seed: int | None = None
+    ) -> None:
+        if not isinstance(max_numbers, int) or isinstance(max_numbers, bool):
+            raise InvalidConfigError(f"echo: max_numbers must be an integer, got {max_numbers!r}")
+        if not 1 <= max_numbers <= 16:
+            raise InvalidConfigError(f"echo: max_numbers must lie in [1, 16], got {max_numbers}")
+        self.max_numbers = max_numbers
+        self.latency = latency or LatencyModel()
+        self._rng = random.Random(seed)
+        self._text = ""
+
+    def sample_task(self, rng: random.Random) -> Task:
+        text = str(rng.randint(0, 999))
+        for _ in range(rng.randint(1, self.max_numbers) - 1):
+            text += rng.choice("+-*") + str(rng.randint(0, 999))
+        if rng.random() < 0.3:
+            text = "-" + text
+        return Task(f"echo-{text}", {"text": text})
+
+    async def reset(self, task: Task) -> str:
+        self._text = str(task.params["text"])
+        await asyncio.sleep(self.latency.sample(self._rng))
+        return f"Repeat: {self._text}"
+
+    async def step(self, action: str) -> Step:
+        await asyncio.sleep(self.latency.sample(self._rng))
+        solved = action.strip() == self._text
+        return Step("Correct!" if solved else "Wrong.", float(solved), True, {"solved": solved})
+
+    async def demonstrate(
+        self, task: Task, call: Callable[[str, dict[str, Any]], Awaitable[str]]
+    ) -> str | None:
+        """Say the string."""
+        return str(task.params["text"])

@@ -66,8 +66,30 @@ def render(run_dir: Path, limits: Limits) -> list[tuple[str, str]]:
     steps = [m["step"] for m in metrics]
     envs = sorted({e for m in metrics for e in m.get("reward", {})})
 
-    # learning: reward and success of the training batches, held-out success
-    fig, (ax_r, ax_s) = plt.subplots(1, 2, figsize=(11, 4))
+    # learning: reward and success of the training batches, held-out success; and where
+    # the policy calls tools, how often it does and how often a call comes back an error
+    tooled = any(v for m in metrics for v in m.get("tool_call_rate", {}).values())
+    fig, axes = plt.subplots(1, 3 if tooled else 2, figsize=(16 if tooled else 11, 4))
+    ax_r, ax_s = axes[0], axes[1]
+    if tooled:
+        ax_t = axes[2]
+        for i, env in enumerate(envs):
+            for key, ls, what in (
+                ("tool_call_rate", "-", "calls"),
+                ("tool_error_rate", ":", "errors"),
+            ):
+                rate = [m.get(key, {}).get(env, math.nan) for m in metrics]
+                ax_t.plot(
+                    steps, moving_mean(rate), color=f"C{i}", ls=ls, lw=2, label=f"{env} {what}"
+                )
+        ax_t.set(
+            title="tools: episodes calling one, calls that erred (10-step means)",
+            xlabel="trainer step",
+            ylabel="share",
+            ylim=(-0.02, 1.02),
+        )
+        ax_t.grid(alpha=0.3)
+        _legend(ax_t, loc="upper left", fontsize=8)
     for i, env in enumerate(envs):
         color = f"C{i}"
         reward = [m["reward"].get(env, math.nan) for m in metrics]

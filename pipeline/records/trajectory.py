@@ -9,7 +9,7 @@ both the encoder (refusing to write) and the decoder (refusing to read) use.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -33,6 +33,10 @@ MAX_ABS_REWARD = 1e6
 #: importance ratios would compare two different distributions. A record without it is
 #: taken to be at the trainer's temperature.
 META_TEMPERATURE = "rlstream.logprob_temperature"
+#: metadata key: how many of the episode's tool calls came back as errors (the result
+#: text starts with ``error:``: an unknown tool, arguments its schema refuses, a timeout,
+#: the tool's own failure); absent where the episode made no tool call
+META_TOOL_ERRORS = "rlstream.tool_errors"
 
 
 class VersionSpan(NamedTuple):
@@ -168,6 +172,21 @@ def succeeded(reward: float, rewards: Mapping[str, float]) -> bool:
     return bool(solved > 0) if solved is not None else reward > 0
 
 
+def tool_error_rate(trajectories: Iterable[Trajectory]) -> float:
+    """The share of the trajectories' tool calls that came back as errors (0 without
+    calls)."""
+    calls = errors = 0
+    for t in trajectories:
+        calls += t.tool_calls
+        errors += t.tool_errors
+    return errors / calls if calls else 0.0
+
+
+def tool_call_rate(trajectories: Sequence[Trajectory]) -> float:
+    """The share of the trajectories that called a tool at least once (0 without any)."""
+    return sum(t.tool_calls > 0 for t in trajectories) / len(trajectories) if trajectories else 0.0
+
+
 @dataclass(slots=True, eq=False)
 class Trajectory:
     """One finished episode. Arrays are 1-D and of equal length ``T``:
@@ -217,6 +236,14 @@ class Trajectory:
         if isinstance(turns, Turns):
             return int(np.count_nonzero(turns.roles == ROLE_INDEX["tool"]))
         return sum(t.role == "tool" for t in turns)
+
+    @property
+    def tool_errors(self) -> int:
+        """How many of its tool calls came back as errors (:data:`META_TOOL_ERRORS`);
+        a value that is not a count in ``[0, tool_calls]`` reads as 0."""
+        text = self.metadata.get(META_TOOL_ERRORS, "")
+        n = int(text) if text.isascii() and text.isdigit() and len(text) < 10 else 0
+        return n if n <= self.tool_calls else 0
 
     @property
     def min_version(self) -> int:

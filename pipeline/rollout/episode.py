@@ -42,6 +42,7 @@ from pipeline.records.trajectory import (
     LOGPROB_DTYPE,
     MASK_DTYPE,
     META_TEMPERATURE,
+    META_TOOL_ERRORS,
     TOKEN_DTYPE,
     Timings,
     Trajectory,
@@ -136,6 +137,7 @@ async def run_episode(
     gen_s = env_s = 0.0
     reward, status = 0.0, "ok"
     rewards: dict[str, float] = {}
+    calls = tool_errors = 0
     header = tokenizer.assistant_header
 
     deadline = time.monotonic() + limits.episode_timeout_s
@@ -193,6 +195,8 @@ async def run_episode(
                     result = await timed(env.call_tool(name, args), "tool_call", tool=name)
                 except KeyError:
                     result = f"error: no tool named {name!r}"
+                calls += 1
+                tool_errors += result.startswith("error:")
                 rec.context("tool", tokenizer.turn("tool", result), time.perf_counter() - t0, name)
                 continue
             rec.policy(header, turn, latency)
@@ -260,6 +264,7 @@ async def run_episode(
         metadata={
             "task": member.task.task_id,
             META_TEMPERATURE: repr(server.engine.sampling.logprob_temperature),
+            **({META_TOOL_ERRORS: str(tool_errors)} if calls else {}),
         },
     )
 

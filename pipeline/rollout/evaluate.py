@@ -28,6 +28,7 @@ from pipeline.policy.hf_weights import initial_model
 from pipeline.policy.sampler import DecodeEngine
 from pipeline.policy.server import PolicyServer
 from pipeline.policy.tokenizer import tokenizer_for
+from pipeline.records.trajectory import tool_call_rate, tool_error_rate
 from pipeline.rollout.config import EpisodeLimits
 from pipeline.rollout.episode import GroupSlot, run_episode
 
@@ -43,6 +44,10 @@ class EvalResult:
     statuses: Mapping[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     version: int = 0
+    #: share of episodes that called a tool at least once
+    tool_call_rate: float = 0.0
+    #: share of tool calls that came back as errors
+    tool_error_rate: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -52,6 +57,8 @@ class EvalResult:
             "statuses": dict(self.statuses),
             "seconds": self.seconds,
             "version": self.version,
+            "tool_call_rate": self.tool_call_rate,
+            "tool_error_rate": self.tool_error_rate,
         }
 
 
@@ -128,6 +135,8 @@ def evaluate(
         statuses=dict(Counter(t.status for t in trajectories)),
         seconds=time.perf_counter() - start,
         version=engine.version,
+        tool_call_rate=tool_call_rate(trajectories),
+        tool_error_rate=tool_error_rate(trajectories),
     )
 
 

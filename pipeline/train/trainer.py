@@ -49,7 +49,7 @@ from pipeline.policy.hf_weights import initial_model
 from pipeline.policy.model import all_finite
 from pipeline.policy.tokenizer import tokenizer_for
 from pipeline.records.ledger import Ledger, member_dir
-from pipeline.records.trajectory import Trajectory
+from pipeline.records.trajectory import Trajectory, tool_call_rate, tool_error_rate
 from pipeline.train.advantages import zero_variance
 from pipeline.train.batching import (
     GroupBuffer,
@@ -558,9 +558,9 @@ class Trainer(PartitionReading):
                     e: float(np.mean([t.succeeded for t in ts])) for e, ts in by_env.items()
                 },
                 # share of episodes that called a tool at least once
-                "tool_call_rate": {
-                    e: float(np.mean([t.tool_calls > 0 for t in ts])) for e, ts in by_env.items()
-                },
+                "tool_call_rate": {e: tool_call_rate(ts) for e, ts in by_env.items()},
+                # share of tool calls that came back as errors (0 where none was made)
+                "tool_error_rate": {e: tool_error_rate(ts) for e, ts in by_env.items()},
                 "drops": dict(self.drops),
                 "lag": self._lag(),
             }

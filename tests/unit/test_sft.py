@@ -4,6 +4,7 @@ refused by number, and a run that learns and leaves a checkpoint RL starts from.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 import re
@@ -22,6 +23,7 @@ from pipeline.policy.chat import ChatTokenizer
 from pipeline.policy.hf_config import read_model_config
 from pipeline.policy.hf_init import init_checkpoint
 from pipeline.policy.hf_weights import load_model
+from pipeline.records.trajectory import META_TOOL_ERRORS, tool_call_rate, tool_error_rate
 from pipeline.rollout.config import EpisodeLimits
 from pipeline.rollout.demos import write_demonstrations
 from pipeline.rollout.episode import GroupSlot, run_episode
@@ -91,6 +93,57 @@ def test_a_conversation_has_the_tokens_of_the_episode_it_demonstrates(
     assert text.startswith("<|im_start|>system\nYou compute.")
     learned = tok.decode(ex.tokens[ex.mask > 0].tolist(), specials=True)
     assert learned == call_text + "<|im_end|>" + "42<|im_end|>"
+
+
+def test_an_episode_counts_its_tool_calls_that_came_back_as_errors(qwen3: Path) -> None:
+    """A call the tool fails on and one to an unknown tool are errors; a good call is
+    not. The count travels in the record's metadata and reads back bounded: whatever
+    a record says, never more errors than calls, never a negative or a huge number."""
+    tok = ChatTokenizer.load(qwen3)
+    (end,) = tok.encode("<|im_end|>")
+
+    def call(text: str) -> list[int]:
+        return [*tok.encode(f"<tool_call>\n{text}\n</tool_call>"), end]
+
+    turns = [
+        call('{"name": "calc", "arguments": {"expression": "1//0"}}'),  # the tool fails
+        call('{"name": "abacus", "arguments": {"expression": "6*7"}}'),  # no such tool
+        call('{"name": "calc", "arguments": {"expression": "6*7"}}'),
+        [*tok.encode("42"), end],
+    ]
+    task = Task("calc-6*7+0", {"expression": "6*7+0", "answer": 42})
+    t = asyncio.run(
+        run_episode(
+            make("calc"),
+            GroupSlot("g", 4, 0, task),
+            ScriptedPolicy(turns, tok),  # type: ignore[arg-type]
+            0,
+            tok,
+            EpisodeLimits(8, max_policy_turns=6),
+            "p",
+        )
+    )
+    assert t.status == "ok" and t.tool_calls == 3 and t.tool_errors == 2
+    assert tool_call_rate([t]) == 1.0 and tool_error_rate([t, t]) == pytest.approx(2 / 3)
+    assert tool_call_rate([]) == 0.0 and tool_error_rate([]) == 0.0
+    for hostile in ("-1", "x", "", "3" * 40, "4", " 2", "\u0662"):  # \u0662: Arabic two
+        bad = dataclasses.replace(t, metadata={**t.metadata, META_TOOL_ERRORS: hostile})
+        assert bad.tool_errors == 0, hostile
+    assert dataclasses.replace(t, metadata={META_TOOL_ERRORS: "3"}).tool_errors == 3
+    # an episode without a tool call carries no count
+    plain = asyncio.run(
+        run_episode(
+            make("calc"),
+            GroupSlot("g", 4, 0, task),
+            ScriptedPolicy([[*tok.encode("42"), end]], tok),  # type: ignore[arg-type]
+            0,
+            tok,
+            EpisodeLimits(8),
+            "p",
+        )
+    )
+    assert META_TOOL_ERRORS not in plain.metadata and plain.tool_errors == 0
+    assert tool_error_rate([plain]) == 0.0 and tool_call_rate([plain, t]) == 0.5
 
 
 GOOD = json.dumps(_calc_conversation("1+2", 3))
@@ -271,6 +324,31 @@ def test_demonstrations_are_the_solvers_solved_conversations(
     with pytest.raises(InvalidConfigError, match="solver failed 5 tasks for 0 solved"):
         write_demonstrations(f"{__name__}:WrongCalc", {}, 4, tmp_path / "w.jsonl")
     assert not (tmp_path / "w.jsonl").exists() and not (tmp_path / "g.jsonl").exists()
+
+
+def test_echo_rewards_the_exact_string_and_demonstrates_copying(tmp_path: Path) -> None:
+    """``echo``: copy drills. The exact string (around spaces) is rewarded, anything else
+    is not; its demonstrations are the prompt's string said back."""
+    env = make("echo", max_numbers=3)
+    rng = random.Random(0)
+    tasks = [env.sample_task(rng) for _ in range(200)]
+    texts = [t.params["text"] for t in tasks]
+    assert all(re.fullmatch(r"-?\d{1,3}([-+*]\d{1,3}){0,2}", x) for x in texts)
+    assert {x.count("+") + x.count("*") + x.lstrip("-").count("-") for x in texts} == {0, 1, 2}
+    task = tasks[0]
+    text = task.params["text"]
+    for said, solved in ((f" {text}\n", True), (text + "0", False), ("", False), (text[1:], False)):
+        assert asyncio.run(env.reset(task)) == f"Repeat: {text}"
+        step = asyncio.run(env.step(said))
+        assert step.done and step.reward == float(solved) and step.info["solved"] is solved
+    for bad in (0, 17, "3", True):
+        with pytest.raises(InvalidConfigError, match="max_numbers"):
+            make("echo", max_numbers=bad)
+    out = tmp_path / "echo.jsonl"
+    assert main(["env", "demos", "echo", "--episodes", "5", "-o", str(out)]) == 0
+    for row in map(json.loads, out.read_text().splitlines()):
+        user, answer = row["messages"]
+        assert user["content"] == "Repeat: " + answer["content"] and row["tools"] == []
 
 
 def test_env_serve_still_takes_its_name_beside_demos() -> None:
