@@ -115,6 +115,13 @@ def register(sub: Any) -> None:
         "--interval", type=float, default=1.5, help="seconds between announcements (weights)"
     )
     p.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="learn: the settings of every run from this rlstream run configuration (JSON "
+        "or YAML), e.g. recipes/tool-arithmetic.yaml; --steps, --env and --grid override it",
+    )
+    p.add_argument(
         "--env",
         default=None,
         help="learn: the environment of every run (any name rlstream env list shows; "

@@ -15,8 +15,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
-from connectors.base import make, with_latency
+from connectors.base import Environment, make, with_latency
 from pipeline.errors import InvalidConfigError
+from pipeline.launch.warm_start import WarmStartConfig
 from pipeline.policy.config import LoRAConfig, ModelConfig, SamplingConfig, logprob_temperature
 from pipeline.rollout.config import AdmissionConfig, EpisodeLimits, ProducerConfig, check_tools
 from pipeline.train.config import GRPOConfig, TrainerConfig
@@ -91,9 +92,23 @@ class RunConfig:
     grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
     #: low-rank adapters: with a rank, only they are trained and announced
     lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
+    #: demonstrations, a new checkpoint and SFT before RL (with demos: the model is the
+    #: one it makes)
+    warm_start: WarmStartConfig = dataclasses.field(default_factory=WarmStartConfig)
 
     def __post_init__(self) -> None:
-        make(self.env, **self.env_options)  # a clear error now, not in a child
+        env = make(self.env, **self.env_options)  # a clear error now, not in a child
+        if self.warm_start.enabled:
+            if self.model != ModelConfig():
+                raise InvalidConfigError(
+                    "warm_start.demos: the warm start makes the model; leave model unset, "
+                    "or set warm_start.demos=0 to start from the model given"
+                )
+            if type(env).demonstrate is Environment.demonstrate:
+                raise InvalidConfigError(
+                    f"warm_start.demos: environment {self.env!r} has no scripted solver "
+                    "(Environment.demonstrate) to demonstrate with"
+                )
         check_tools(self.tools)
         if min(self.producers, self.trainers, self.steps, self.concurrency) < 1:
             raise InvalidConfigError(
@@ -126,6 +141,10 @@ class RunConfig:
         # the children's own checks, now rather than in a child
         self.trainer("rlstream", Path("runs/check"))
         self.producer(0, "rlstream", Path("runs/check"))
+
+    def started_from(self, model: ModelConfig) -> RunConfig:
+        """The same run starting from ``model`` (what its warm start made)."""
+        return dataclasses.replace(self, model=model, warm_start=WarmStartConfig())
 
     @property
     def rows(self) -> int:

@@ -75,6 +75,7 @@ def subject(
     """Read from ``config.json`` (``rlstream run``) or ``trainer.json`` (a trainer);
     ``env``, ``env_options`` and ``eval_episodes`` override what the directory says."""
     from pipeline.launch.config import RunConfig
+    from pipeline.launch.warm_start import model_dir
     from pipeline.train.config import TrainerConfig
 
     if not run_dir.is_dir():
@@ -82,6 +83,10 @@ def subject(
     info = run_info(run_dir)
     if (run_dir / "config.json").exists():
         cfg = resolve(RunConfig, {}, file=run_dir / "config.json")
+        config = to_mapping(cfg)
+        if cfg.warm_start.enabled and (model_dir(run_dir) / "config.json").is_file():
+            cfg = cfg.started_from(ModelConfig.from_name(str(model_dir(run_dir))))
+            config["model"] = to_mapping(cfg.model)
         batch = cfg.groups_per_batch * cfg.group_size
         mode = "synchronous" if cfg.sync else "asynchronous"
         return Subject(
@@ -98,7 +103,7 @@ def subject(
             admission_budget=max(1, cfg.max_staleness) * batch,
             setup=f"{mode}, {cfg.producers} producer(s) of {cfg.concurrency} episodes, "
             f"{cfg.trainers} trainer process(es), max_staleness {cfg.max_staleness}",
-            config=to_mapping(cfg),
+            config=config,
         )
     if (run_dir / "trainer.json").exists():
         tcfg = resolve(TrainerConfig, {}, file=run_dir / "trainer.json")
@@ -213,6 +218,13 @@ def figures(
             else None
         ),
         "eval_episodes": s.eval_episodes,
+        # held-out episodes with a tool call, and tool calls that came back as errors
+        "tool_call_rate_initial": init.get("tool_call_rate") if init else None,
+        "tool_call_rate_final": final.get("tool_call_rate") if final else None,
+        "tool_error_rate_initial": init.get("tool_error_rate") if init else None,
+        "tool_error_rate_final": final.get("tool_error_rate") if final else None,
+        # demonstrations, SFT steps, final SFT loss and seconds of the warm start
+        "warm_start": _json(run_dir / "warm_start" / "summary.json"),
         "steps": metrics[-1]["step"] if metrics else 0,
         "wall_s": wall,
         "pipeline_wall_s": info.get("pipeline_wall_s"),
@@ -264,6 +276,14 @@ def build_report(
         f"({figs['trajectories_trained']} trajectories) with "
         f"{algorithm_text(s.config.get('grpo'), s.config.get('lora'))}; {s.setup}."
     )
+    warm = figs.get("warm_start")
+    if isinstance(warm, dict) and isinstance(warm.get("sft_loss_final"), float):
+        what += (
+            f" Its warm start: {warm.get('demos_written')} demonstrations of the "
+            f"environment's scripted solver, SFT for {warm.get('sft_steps')} steps to loss "
+            f"{warm['sft_loss_final']:.3f} ({warm.get('seconds')} s); the initial policy "
+            "is the SFT model."
+        )
     report = Report(
         title=run_dir.name,
         what=what,

@@ -28,7 +28,7 @@ from typing import Any, TextIO
 from connectors.base import env_name
 from pipeline.kafka.client import KafkaConfig
 from pipeline.kafka.topics import ensure_topics, namespace_topics
-from pipeline.launch import report
+from pipeline.launch import report, warm_start
 from pipeline.launch.config import RunConfig
 from pipeline.launch.supervisor import Child, Supervisor
 from pipeline.observe.report import last_json, mean_over_envs
@@ -167,6 +167,19 @@ class Run:
         }
         self._write_info(run_info)
         self.say(f"run directory {rd} namespace {self.namespace}")
+        if self.cfg.warm_start.enabled:
+            ws = self.cfg.warm_start
+            model = warm_start.prepare(
+                ws,
+                self.cfg.env,
+                self.cfg.env_options,
+                self.cfg.seed,
+                rd,
+                self.say,
+                self.stop,
+                child_environment(self.kafka),
+            )
+            self.cfg = self.cfg.started_from(model)
         ensure_topics(
             self.kafka,
             namespace_topics(

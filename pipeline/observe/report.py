@@ -127,6 +127,11 @@ FIGURES: dict[str, str] = {
     "random_success": "success of random answers (the baseline)",
     "gain_over_random_points": "final success above random answers (percentage points)",
     "eval_episodes": "held-out episodes per evaluation",
+    "tool_call_rate_initial": "held-out episodes of the initial policy that called a tool",
+    "tool_call_rate_final": "held-out episodes of the final policy that called a tool",
+    "tool_error_rate_initial": "tool calls of the initial policy that came back as errors",
+    "tool_error_rate_final": "tool calls of the final policy that came back as errors",
+    "warm_start": "the warm start: demonstrations, SFT steps and final loss, seconds",
     "steps": "trainer steps",
     "trajectories_produced": "trajectories produced",
     "trajectories_trained": "trajectories trained",
@@ -152,7 +157,9 @@ BUSY_DEFINITION = (
 def _fmt(v: Any, key: str = "") -> str:
     if v is None:
         return "not measured"
-    if isinstance(v, float) and key.startswith(("success_", "random_", "trainer_busy", "gain_")):
+    if isinstance(v, float) and key.startswith(
+        ("success_", "random_", "trainer_busy", "gain_", "tool_")
+    ):
         return f"{v:.1%}" if not key.endswith("_points") else f"{v:+.1f}"
     if isinstance(v, float):
         return f"{v:.4g}"

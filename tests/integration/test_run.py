@@ -454,14 +454,15 @@ def test_a_killed_run_leaves_not_even_its_own_broker(tmp_path: Path) -> None:
 
 
 def test_the_tool_arithmetic_recipe_runs_every_stage(bootstrap: str, tmp_path: Path) -> None:
-    """recipes/tool-arithmetic.sh at toy sizes: demonstrations, a Qwen3-family checkpoint
-    with its tokenizer trained on them, SFT, then RL through Kafka from the SFT model, its
-    start and final policy evaluated; run again, the finished stages are reused."""
+    """recipes/tool-arithmetic.sh at toy sizes: one run whose warm start makes
+    demonstrations, a Qwen3-family checkpoint with its tokenizer trained on them and SFT,
+    then RL through Kafka from the SFT model, its start and final policy evaluated."""
     out = tmp_path / "ta"
     env = {
         **os.environ,
         "OUT": str(out),
         "DEMOS": "24",
+        "DRILLS": "16",
         "PRESET": "tiny",
         "EPOCHS": "1",
         "RLSTREAM": str(Path(sys.executable).parent / "rlstream"),
@@ -477,27 +478,27 @@ def test_the_tool_arithmetic_recipe_runs_every_stage(bootstrap: str, tmp_path: P
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert len((out / "demos.jsonl").read_text().splitlines()) == 24
-    assert (out / "sft" / "loss.png").is_file() and (
-        out / "sft" / "model" / "config.json"
-    ).is_file()
+    warm = out / "warm_start"
+    assert len((warm / "demos.jsonl").read_text().splitlines()) == 24
+    assert len((warm / "mix-echo.jsonl").read_text().splitlines()) == 16
+    assert len((warm / "sft-data.jsonl").read_text().splitlines()) == 40
+    assert (warm / "sft" / "loss.png").is_file()
+    assert (warm / "sft" / "model" / "config.json").is_file()
+    for stage in ("demos", "demos-mix-echo", "init", "sft"):
+        assert (out / "logs" / f"warm-start-{stage}.log").is_file()
     figures = last_json(proc.stdout)["figures"]
     assert figures["steps"] == 2
-    metrics = [json.loads(ln) for ln in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert figures["warm_start"]["demos_written"] == 24 and figures["warm_start"]["sft_steps"] >= 1
+    assert figures["warm_start"]["sft_conversations"] == 40
+    for which in ("initial", "final"):
+        assert 0 <= figures[f"tool_call_rate_{which}"] <= 1
+        assert 0 <= figures[f"tool_error_rate_{which}"] <= 1
+    metrics = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2] and "calc" in metrics[0]["success"]
     assert all(0 <= m["tool_call_rate"]["calc"] <= 1 for m in metrics)
-    assert json.loads((out / "rl" / "config.json").read_text())["model"]["path"] == str(
-        out / "sft" / "model"
-    )
-    # again: the stages done are kept (the run's own mistake is refused in one sentence)
-    made = {p: p.stat().st_mtime_ns for p in (out / "demos.jsonl", out / "sft" / "metrics.jsonl")}
-    again = subprocess.run(
-        ["bash", "recipes/tool-arithmetic.sh", "--steps=0"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=300,
-    )
-    assert again.returncode == 2 and "steps" in again.stderr, again.stderr[-2000:]
-    assert {p: p.stat().st_mtime_ns for p in made} == made
+    assert all(0 <= m["tool_error_rate"]["calc"] <= 1 for m in metrics)
+    trainer = json.loads((out / "configs" / "trainer.json").read_text())
+    assert trainer["model"]["path"] == str(warm / "sft" / "model")
+    # the run's own configuration keeps the warm start, so it runs again as it was
+    assert json.loads((out / "config.json").read_text())["warm_start"]["demos"] == 24
+    assert "warm start" in (out / "report.md").read_text()

@@ -227,11 +227,15 @@ def test_bench_learn_grid_is_every_combination_of_run_settings() -> None:
 
 
 def test_bench_learn_refuses_a_bad_environment_before_any_run(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     from pipeline.cli.main import main
 
+    config = tmp_path / "recipe.yaml"
+    config.write_text("env: guess\nwarm_start:\n  demos: 10\n")
     for flags, says in (
+        (["--config", str(config)], "'guess' has no scripted solver"),
+        (["--config", str(tmp_path / "none.yaml")], "none.yaml"),
         (["--env", "guess", "--env-option", "noequals"], "'noequals' is not KEY=VALUE"),
         (["--env", "guess", "--env-option", "high=NaN"], "high must be an integer"),
         (["--env", "reasoning-gym:no_such_dataset"], "not registered"),
