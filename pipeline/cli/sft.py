@@ -27,6 +27,7 @@ def register(sub: Any) -> None:
 
 def cmd_sft(args: argparse.Namespace) -> int:
     from pipeline import compile_cache
+    from pipeline.launch.stop import process_flag
     from pipeline.train.config import SFTConfig
     from pipeline.train.sft import run_sft
 
@@ -34,6 +35,6 @@ def cmd_sft(args: argparse.Namespace) -> int:
     compile_cache.enable()
     cfg.out.mkdir(parents=True, exist_ok=True)
     write_file(cfg, cfg.out / "sft.json")
-    figures = run_sft(cfg, progress=lambda s: print(s, flush=True))
+    figures = run_sft(cfg, lambda s: print(s, flush=True), process_flag().event)
     print_result(args, {"figures": figures}, f"wrote {figures['model']}")
     return 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +27,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from pipeline.errors import InvalidConfigError, TrainingDivergedError
+from pipeline.errors import InvalidConfigError, RlstreamError, TrainingDivergedError
 from pipeline.policy.chat import ChatTokenizer
 from pipeline.policy.hf_weights import export, load_model
 from pipeline.policy.lora import init_adapters, merged
@@ -109,9 +110,15 @@ def make_sft_step(graphdef: Any, tx: optax.GradientTransformation, scale: float)
     return step
 
 
-def run_sft(cfg: SFTConfig, progress: Callable[[str], None] = print) -> dict[str, Any]:
+def run_sft(
+    cfg: SFTConfig,
+    progress: Callable[[str], None] = print,
+    stop: threading.Event | None = None,
+) -> dict[str, Any]:
     """Fine-tune ``cfg.model`` on ``cfg.data``; returns the run's figures and writes
-    ``cfg.out`` (see the module)."""
+    ``cfg.out`` (see the module). ``stop`` set (SIGINT, SIGTERM) ends it after the step
+    in progress, with an error and no model written: an unfinished fine-tune is not
+    mistaken for one that finished."""
     if not cfg.model.path:
         raise InvalidConfigError(
             "rlstream sft needs --model DIR, a Hugging Face checkpoint directory "
@@ -157,6 +164,12 @@ def run_sft(cfg: SFTConfig, progress: Callable[[str], None] = print) -> dict[str
         for batch in packed.batches(cfg.rows, rng):
             if step >= total:
                 break
+            if stop is not None and stop.is_set():
+                plot_loss(history, cfg.out / "loss.png")
+                raise RlstreamError(
+                    f"sft stopped at step {step} of {total}: {target} not written "
+                    f"({metrics_path} and loss.png hold the steps made)"
+                )
             trained, opt_state, m = step_fn(trained, opt_state, base, batch)
             m = {k: float(v) for k, v in jax.device_get(m).items()}
             step += 1

@@ -235,6 +235,35 @@ def test_sft_learns_and_writes_the_checkpoint_rl_starts_from(
     assert "is not empty: choose another --out" in capsys.readouterr().err
 
 
+def test_a_stopped_sft_writes_no_model(qwen3: Path, tmp_path: Path) -> None:
+    """SIGINT/SIGTERM (the stop flag) ends SFT after the step in progress with an error;
+    no model is written, so nothing takes the unfinished fine-tune for a finished one (a
+    run's warm start reuses a model it finds)."""
+    import threading
+
+    from pipeline.errors import RlstreamError
+    from pipeline.settings import from_mapping
+    from pipeline.train.config import SFTConfig
+    from pipeline.train.sft import run_sft
+
+    data = _write(tmp_path / "d.jsonl", [_calc_conversation(f"{a}*7", a * 7) for a in range(8)])
+    out = tmp_path / "out"
+    cfg = from_mapping(
+        SFTConfig,
+        {"model": str(qwen3), "data": str(data), "out": str(out), "rows": 1, "length": 1024},
+    )
+    stop = threading.Event()
+
+    def progress(line: str) -> None:
+        if line.startswith("sft step 2/"):
+            stop.set()
+
+    with pytest.raises(RlstreamError, match=r"sft stopped at step 2 of \d+: .* not written"):
+        run_sft(cfg, progress, stop)
+    assert not (out / "model").exists()
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+
+
 def test_sft_needs_a_checkpoint_directory(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
