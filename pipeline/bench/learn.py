@@ -97,6 +97,8 @@ def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
             finals: list[float] = []
             stale: list[float] = []
             calls: list[tuple[float | None, float | None]] = []
+            starts: list[float | None] = []
+            sft_loss: list[float | None] = []
             for seed in range(first, first + seeds):
                 seeded = resolve(RunConfig, {**fixed, **settings, "seed": seed}, file=file)
                 print(f"== {_label(settings)} seed {seed}: {cfg.steps} steps", flush=True)
@@ -121,6 +123,9 @@ def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
                 if beyond is not None:  # None: the environment knows no random baseline
                     over.append(float(beyond))
                 finals.append(float(result.figures["success_final"]))
+                starts.append(result.figures.get("success_initial"))
+                warm = result.figures.get("warm_start") or {}
+                sft_loss.append(warm.get("sft_loss_final"))
                 stale.append(float(result.figures.get("staleness_mean") or 0.0))
                 calls.append(
                     (
@@ -148,7 +153,10 @@ def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
                     "gain_over_random_points": over,
                     "gain_over_random_min_points": min(over) if over else None,
                     "gain_over_random_median_points": statistics.median(over) if over else None,
+                    "success_start": starts,
                     "success_final": finals,
+                    # each seed's warm start: its SFT's last loss (None: no warm start)
+                    "sft_loss_final": sft_loss,
                     "staleness_mean": [round(s, 2) for s in stale],
                     "wall_s": [round(w, 1) for w in walls],
                     "wall_max_s": round(max(walls), 1),

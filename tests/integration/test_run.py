@@ -502,3 +502,42 @@ def test_the_tool_arithmetic_recipe_runs_every_stage(bootstrap: str, tmp_path: P
     # the run's own configuration keeps the warm start, so it runs again as it was
     assert json.loads((out / "config.json").read_text())["warm_start"]["demos"] == 24
     assert "warm start" in (out / "report.md").read_text()
+
+
+def test_bench_learn_runs_a_warm_started_configuration_per_seed(
+    bootstrap: str, tmp_path: Path
+) -> None:
+    """``bench learn --config FILE``: each seed makes its own warm start (demonstrations
+    with echo drills mixed in, checkpoint, SFT) then RL; the figures are the gain over each
+    seed's SFT start, its SFT loss and the tool-call rates, and the gate is the recipe's."""
+    config = tmp_path / "toy.yaml"
+    config.write_text(
+        "env: calc\n"
+        "env_options: {max_operand: 999}\n"
+        "warm_start: {demos: 16, preset: tiny, mix: {echo: 8},"
+        " sft: {epochs: 1, rows: 2, length: 1024}}\n"
+        "max_new_tokens: 48\nsteps: 2\ngroup_size: 4\ngroups_per_batch: 1\n"
+        "concurrency: 8\neval_episodes: 4\n"
+    )
+    out = tmp_path / "bench"
+    args = ["bench", "learn", f"--config={config}", "--seeds=2", "--first-seed=3"]
+    args += [f"--run-dir={out}", f"--bootstrap={bootstrap}", "--json"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = last_json(proc.stdout)
+    figures = result["figures"]
+    assert result["goals"] == {"gain_over_start_min_points": ">= 20", "wall_max_s": "<= 1200"}
+    assert figures["gain_over_start_min_points"] == min(figures["gain_points"])
+    assert len(figures["sft_loss_final"]) == 2 and all(x > 0 for x in figures["sft_loss_final"])
+    assert len(figures["success_start"]) == len(figures["tool_call_rate_final"]) == 2
+    assert 0 <= figures["tool_call_rate_up_seeds"] <= 2
+    for seed in (3, 4):
+        warm = out / f"seed{seed}" / "warm_start"
+        assert len((warm / "sft-data.jsonl").read_text().splitlines()) == 24
+        assert json.loads((warm / "sft.json").read_text())["seed"] == seed
