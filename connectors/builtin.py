@@ -176,6 +176,13 @@ class Calculator(Environment):
             "Wrong, try again." if m else "Answer with a number.", 0.0, last, {"solved": False}
         )
 
+    def random_success(self) -> float:
+        """A uniform integer each turn among those an answer can be (``a op b op c``
+        with operands in ``[0, max_operand]``: from ``-2 max`` to ``max² + max``)."""
+        m = self.max_operand
+        n = max(m * m + m, 3 * m) + 2 * m + 1
+        return 1.0 - (1.0 - 1.0 / n) ** self.max_turns
+
     async def demonstrate(
         self, task: Task, call: Callable[[str, dict[str, Any]], Awaitable[str]]
     ) -> str | None:
