@@ -11,7 +11,7 @@ rlstream="${RLSTREAM:-rlstream}"
 flags=(--config recipes/tool-arithmetic.yaml --run-dir "${OUT:-runs/tool-arithmetic}")
 flags+=(--seed "${SEED:-0}")
 [ -n "${DEMOS:-}" ] && flags+=(--warm-start.demos "$DEMOS")
-[ -n "${DRILLS:-}" ] && flags+=(--warm-start.mix "echo=$DRILLS")
+[ -n "${DRILLS:-}" ] && flags+=(--warm-start.pretrain "echo=$DRILLS")
 [ -n "${PRESET:-}" ] && flags+=(--warm-start.preset "$PRESET")
 [ -n "${EPOCHS:-}" ] && flags+=(--warm-start.sft "epochs=$EPOCHS")
 exec "$rlstream" run "${flags[@]}" "$@"

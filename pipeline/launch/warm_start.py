@@ -1,7 +1,8 @@
 """A run's warm start (``warm_start.demos > 0``): demonstrations of the environment's
-scripted solver (with those of other environments mixed in, ``warm_start.mix``), a random
-checkpoint of a model family with a tokenizer trained on them, and SFT on them; the run's
-RL starts from what SFT wrote.
+scripted solver, a random checkpoint of a model family with a tokenizer trained on them,
+optionally a first SFT stage on other environments' demonstrations (``warm_start.pretrain``:
+what pretraining teaches a real model, such as copying text, which a random one lacks),
+then SFT on the demonstrations; the run's RL starts from what SFT wrote.
 
 Each stage is a child process of the command a user would run by hand (``rlstream env
 demos``, ``rlstream model init``, ``rlstream sft``), its log in ``logs/``, its output in
@@ -31,7 +32,7 @@ from pipeline.train.config import SFTConfig
 
 #: the families ``rlstream model init`` writes
 FAMILIES = ("llama", "qwen2", "qwen3")
-#: settings of the SFT stage the warm start sets itself
+#: settings of the SFT stages the warm start sets itself
 _OWN = ("data", "out", "model", "seed")
 
 
@@ -48,10 +49,12 @@ class WarmStartConfig:
     preset: str = "small"
     #: its tokenizer's vocabulary at most (None: rlstream model init's default)
     vocab_size: int | None = None
-    #: demonstrations of other environments mixed into the SFT data, by name (e.g.
-    #: ``echo: 1000``: copy drills, what pretraining teaches a real model and a random one
-    #: lacks)
-    mix: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    #: demonstrations of other environments, by name, fine-tuned on first in a stage of
+    #: their own (e.g. ``echo: 3000``: copy drills, what pretraining teaches a real model
+    #: and a random one lacks)
+    pretrain: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    #: settings of rlstream sft for that first stage
+    pretrain_sft: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     #: settings of rlstream sft by name (epochs, rows, length, learning_rate ...); its
     #: data, out, model and seed are the warm start's
     sft: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -67,22 +70,24 @@ class WarmStartConfig:
             raise InvalidConfigError(
                 f"warm_start.preset {self.preset!r} is not one of {', '.join(SHAPES)}"
             )
-        for name, count in self.mix.items():
+        for name, count in self.pretrain.items():
             if isinstance(count, bool) or not isinstance(count, int) or count < 1:
                 raise InvalidConfigError(
-                    f"warm_start.mix: {name!r} needs a count of demonstrations >= 1, not {count!r}"
+                    f"warm_start.pretrain: {name!r} needs a count of demonstrations >= 1, "
+                    f"not {count!r}"
                 )
             if type(make(name)).demonstrate is Environment.demonstrate:
                 raise InvalidConfigError(
-                    f"warm_start.mix: environment {name!r} has no scripted solver"
+                    f"warm_start.pretrain: environment {name!r} has no scripted solver"
                 )
-        own = sorted(set(self.sft) & set(_OWN))
-        if own:
-            raise InvalidConfigError(
-                f"warm_start.sft: {', '.join(own)} are the warm start's own (the "
-                "demonstrations, the run directory, the new checkpoint, the run's seed)"
-            )
-        from_mapping(SFTConfig, dict(self.sft), "warm_start.sft")  # refused now, not later
+        for where, given in (("sft", self.sft), ("pretrain_sft", self.pretrain_sft)):
+            own = sorted(set(given) & set(_OWN))
+            if own:
+                raise InvalidConfigError(
+                    f"warm_start.{where}: {', '.join(own)} are the warm start's own (the "
+                    "demonstrations, the run directory, the checkpoint, the run's seed)"
+                )
+            from_mapping(SFTConfig, dict(given), f"warm_start.{where}")  # refused now
 
     @property
     def enabled(self) -> bool:
@@ -108,61 +113,95 @@ def prepare(
     (with its log's tail) or ``stop`` is set."""
     root = run_dir / "warm_start"
     demos = root / "demos.jsonl"
-    data = root / "sft-data.jsonl"  # the demonstrations and those mixed in
+    drills = root / "pretrain-data.jsonl"  # the pretraining stage's demonstrations
+    text = root / "tokenizer-text.jsonl"  # all of them: what the tokenizer is trained on
     init = root / "init"
-    out = root / "sft"
     t0 = time.monotonic()
-    summary: dict[str, Any] = {"demos": ws.demos, "mix": dict(ws.mix)}
+    summary: dict[str, Any] = {"demos": ws.demos, "pretrain": dict(ws.pretrain)}
+
+    def stage(name: str, args: list[str]) -> None:
+        _stage(name, args, run_dir, say, stop, child_env)
+
     sources = [(env, env_options, ws.demos, demos)]
     sources += [
-        (name, {}, n, root / f"mix-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.jsonl")
-        for name, n in ws.mix.items()
+        (name, {}, n, root / f"pretrain-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.jsonl")
+        for name, n in ws.pretrain.items()
     ]
-    for i, (name, options, n, path) in enumerate(sources):
+    for name, options, n, path in sources:
         if not path.is_file():
             flags = [f"--env-option={k}={json.dumps(v)}" for k, v in options.items()]
-            _stage(
-                "demos" if i == 0 else f"demos-{path.stem}",
+            stage(
+                "demos" if path == demos else f"demos-{path.stem}",
                 ["env", "demos", name, *flags, f"--episodes={n}", f"--seed={seed}",
                  f"--output={path}"],
-                run_dir, say, stop, child_env,
             )  # fmt: skip
     summary["demos_written"] = _lines(demos)
-    if not data.is_file():
-        tmp = data.with_name(data.name + ".partial")
-        with tmp.open("wb") as f:
-            for *_, path in sources:
-                f.write(path.read_bytes())
-        tmp.replace(data)
-    summary["sft_conversations"] = _lines(data)
+    _concatenate([p for *_, p in sources[1:]], drills)
+    _concatenate([p for *_, p in sources], text)
     if not (init / "config.json").is_file():
         shutil.rmtree(init, ignore_errors=True)
         vocab = [] if ws.vocab_size is None else [f"--vocab-size={ws.vocab_size}"]
-        _stage(
+        stage(
             "init",
             ["model", "init", f"--family={ws.family}", f"--preset={ws.preset}",
-             f"--seed={seed}", f"--tokenizer-text={data}", *vocab, f"--output={init}"],
-            run_dir, say, stop, child_env,
+             f"--seed={seed}", f"--tokenizer-text={text}", *vocab, f"--output={init}"],
         )  # fmt: skip
-    if not (model_dir(run_dir) / "config.json").is_file():
-        shutil.rmtree(out, ignore_errors=True)
-        given = {**ws.sft, "data": str(data), "out": str(out), "model": str(init), "seed": seed}
-        sft = from_mapping(SFTConfig, given, "warm_start.sft")
-        path = write_file(sft, root / "sft.json")
-        _stage("sft", ["sft", f"--config={path}"], run_dir, say, stop, child_env)
-    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").open()]
-    summary |= {"sft_steps": len(losses), "sft_loss_final": losses[-1] if losses else None}
+    start = init
+    if ws.pretrain:
+        summary["pretrain_conversations"] = _lines(drills)
+        summary["pretrain_loss_final"] = _sft(
+            "pretrain", ws.pretrain_sft, drills, init, root / "pretrain", seed, stage
+        )
+        start = root / "pretrain" / "model"
+    summary["sft_loss_final"] = _sft("sft", ws.sft, demos, start, root / "sft", seed, stage)
+    summary["sft_steps"] = _lines(root / "sft" / "metrics.jsonl")
     summary["seconds"] = round(time.monotonic() - t0, 1)
     (root / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    mixed = summary["sft_conversations"] - summary["demos_written"]
+    loss = summary["sft_loss_final"]
     say(
         f"warm start: {summary['demos_written']} demonstrations"
-        + (f" and {mixed} mixed in" if mixed else "")
-        + f", SFT {len(losses)} steps"
-        + (f" to loss {losses[-1]:.3f}" if losses else "")
+        + (f" after {summary['pretrain_conversations']} of pretraining" if ws.pretrain else "")
+        + f", SFT {summary['sft_steps']} steps"
+        + (f" to loss {loss:.3f}" if loss is not None else "")
         + f", in {summary['seconds']:.0f} s"
     )
     return ModelConfig.from_name(str(model_dir(run_dir)))
+
+
+def _sft(
+    name: str,
+    settings: Mapping[str, Any],
+    data: Path,
+    model: Path,
+    out: Path,
+    seed: int,
+    stage: Callable[[str, list[str]], None],
+) -> float | None:
+    """SFT stage ``name`` of ``model`` on ``data`` into ``out`` (unless done); its last
+    loss."""
+    if not (out / "model" / "config.json").is_file():
+        shutil.rmtree(out, ignore_errors=True)
+        given = {**settings, "data": str(data), "out": str(out), "model": str(model), "seed": seed}
+        path = write_file(
+            from_mapping(SFTConfig, given, f"warm_start.{name}"), out.with_suffix(".json")
+        )
+        stage(name, ["sft", f"--config={path}"])
+    last = None
+    with (out / "metrics.jsonl").open() as f:
+        for line in f:
+            last = json.loads(line).get("loss")
+    return last
+
+
+def _concatenate(parts: list[Path], out: Path) -> None:
+    """``out``: the files ``parts`` one after the other (unless it is there)."""
+    if out.is_file() or not parts:
+        return
+    tmp = out.with_name(out.name + ".partial")
+    with tmp.open("wb") as f:
+        for path in parts:
+            f.write(path.read_bytes())
+    tmp.replace(out)
 
 
 def _lines(path: Path) -> int:

@@ -480,16 +480,18 @@ def test_the_tool_arithmetic_recipe_runs_every_stage(bootstrap: str, tmp_path: P
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     warm = out / "warm_start"
     assert len((warm / "demos.jsonl").read_text().splitlines()) == 24
-    assert len((warm / "mix-echo.jsonl").read_text().splitlines()) == 16
-    assert len((warm / "sft-data.jsonl").read_text().splitlines()) == 40
+    assert len((warm / "pretrain-echo.jsonl").read_text().splitlines()) == 16
+    assert len((warm / "tokenizer-text.jsonl").read_text().splitlines()) == 40
+    sft = json.loads((warm / "sft.json").read_text())
+    assert sft["model"]["path"] == str(warm / "pretrain" / "model")  # after the drills
     assert (warm / "sft" / "loss.png").is_file()
     assert (warm / "sft" / "model" / "config.json").is_file()
-    for stage in ("demos", "demos-mix-echo", "init", "sft"):
+    for stage in ("demos", "demos-pretrain-echo", "init", "pretrain", "sft"):
         assert (out / "logs" / f"warm-start-{stage}.log").is_file()
     figures = last_json(proc.stdout)["figures"]
     assert figures["steps"] == 2
     assert figures["warm_start"]["demos_written"] == 24 and figures["warm_start"]["sft_steps"] >= 1
-    assert figures["warm_start"]["sft_conversations"] == 40
+    assert figures["warm_start"]["pretrain_conversations"] == 16
     for which in ("initial", "final"):
         assert 0 <= figures[f"tool_call_rate_{which}"] <= 1
         assert 0 <= figures[f"tool_error_rate_{which}"] <= 1
@@ -508,13 +510,15 @@ def test_bench_learn_runs_a_warm_started_configuration_per_seed(
     bootstrap: str, tmp_path: Path
 ) -> None:
     """``bench learn --config FILE``: each seed makes its own warm start (demonstrations
-    with echo drills mixed in, checkpoint, SFT) then RL; the figures are the gain over each
-    seed's SFT start, its SFT loss and the tool-call rates, and the gate is the recipe's."""
+    and echo drills, checkpoint, SFT on the drills then on the demonstrations) then RL;
+    the figures are the gain over each seed's SFT start, its SFT loss and the tool-call
+    rates, and the gate is the recipe's."""
     config = tmp_path / "toy.yaml"
     config.write_text(
         "env: calc\n"
         "env_options: {max_operand: 999}\n"
-        "warm_start: {demos: 16, preset: tiny, mix: {echo: 8},"
+        "warm_start: {demos: 16, preset: tiny, pretrain: {echo: 8},"
+        " pretrain_sft: {epochs: 1, rows: 2, length: 256},"
         " sft: {epochs: 1, rows: 2, length: 1024}}\n"
         "max_new_tokens: 48\nsteps: 2\ngroup_size: 4\ngroups_per_batch: 1\n"
         "concurrency: 8\neval_episodes: 4\n"
@@ -539,5 +543,6 @@ def test_bench_learn_runs_a_warm_started_configuration_per_seed(
     assert 0 <= figures["tool_call_rate_up_seeds"] <= 2
     for seed in (3, 4):
         warm = out / f"seed{seed}" / "warm_start"
-        assert len((warm / "sft-data.jsonl").read_text().splitlines()) == 24
+        assert len((warm / "tokenizer-text.jsonl").read_text().splitlines()) == 24
+        assert (warm / "pretrain" / "model" / "config.json").is_file()
         assert json.loads((warm / "sft.json").read_text())["seed"] == seed

@@ -35,9 +35,14 @@ CALC = {"env": "calc"}
         ({**CALC, "warm_start": {"demos": 5, "sft": {"learning_rate": "fast"}}}, "learning_rate"),
         ({**CALC, "warm_start": {"demos": 5}, "model": "small"}, "leave model unset"),
         ({"env": "guess", "warm_start": {"demos": 5}}, "'guess' has no scripted solver"),
-        ({**CALC, "warm_start": {"demos": 5, "mix": {"guess": 5}}}, "'guess' has no scripted"),
-        ({**CALC, "warm_start": {"demos": 5, "mix": {"echo": 0}}}, "'echo' needs a count"),
-        ({**CALC, "warm_start": {"demos": 5, "mix": {"nope": 5}}}, "unknown environment 'nope'"),
+        ({**CALC, "warm_start": {"demos": 5, "pretrain": {"guess": 5}}}, "'guess' has no"),
+        ({**CALC, "warm_start": {"demos": 5, "pretrain": {"echo": 0}}}, "'echo' needs a count"),
+        ({**CALC, "warm_start": {"demos": 5, "pretrain": {"nope": 5}}}, "unknown environment"),
+        (
+            {**CALC, "warm_start": {"demos": 5, "pretrain_sft": {"model": "x"}}},
+            r"warm_start\.pretrain_sft: model are the warm start's own",
+        ),
+        ({**CALC, "warm_start": {"demos": 5, "pretrain_sft": {"rows": -1}}}, "rows"),
     ],
 )
 def test_a_bad_warm_start_is_refused_by_name(settings: dict[str, Any], says: str) -> None:
