@@ -24,6 +24,7 @@ the whole conversation rendered at once.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
@@ -114,6 +115,13 @@ class ChatTokenizer:
         return cls(tokenizer, template, specials, eos_ids, "hf-sha256:" + h.hexdigest()[:32])
 
     # ---- text ----------------------------------------------------------------------------
+
+    @functools.cached_property
+    def special_texts(self) -> tuple[str, ...]:
+        """The texts of the special tokens (``<|im_end|>``, ``<|eot_id|>`` ...): text that
+        holds one is read as that token, the chat's structure, not as text."""
+        added = self.tok.get_added_tokens_decoder().values()
+        return tuple(sorted(t.content for t in added if t.special))
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False).ids)

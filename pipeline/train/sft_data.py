@@ -204,7 +204,18 @@ def _batches(convs: Sequence[Dialogue]) -> Iterator[list[Dialogue]]:
 
 
 def layout(chat: ChatTokenizer, c: Dialogue, rendered: Sequence[str], where: str) -> Example:
-    """The tokens and loss mask of conversation ``c`` from its :func:`_renderings`."""
+    """The tokens and loss mask of conversation ``c`` from its :func:`_renderings`; a
+    message that holds a special token's text is refused (it would be read as the token:
+    a turn ended or begun inside a message)."""
+    for i, m in enumerate(c.messages):
+        texts = [m.get("content") or "", json.dumps(m.get("tool_calls") or [])]
+        hit = next((s for s in chat.special_texts for t in texts if s in t), None)
+        if hit is not None:
+            raise _bad(
+                where,
+                c.line,
+                f"message {i} holds {hit!r}, the text of a special token of the chat format",
+            )
     stops = [chat.decode([i], specials=True) for i in chat.stop_tokens]
     tokens: list[int] = []
     mask: list[int] = []
