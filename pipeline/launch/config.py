@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
-from connectors.base import Environment, make, with_latency
+from connectors.base import make, with_latency
 from pipeline.errors import InvalidConfigError
-from pipeline.launch.warm_start import WarmStartConfig
+from pipeline.launch.warm_start import WarmStartConfig, check_solver
 from pipeline.policy.config import LoRAConfig, ModelConfig, SamplingConfig, logprob_temperature
 from pipeline.rollout.config import AdmissionConfig, EpisodeLimits, ProducerConfig, check_tools
 from pipeline.train.config import GRPOConfig, TrainerConfig
@@ -104,11 +104,7 @@ class RunConfig:
                     "warm_start.demos: the warm start makes the model; leave model unset, "
                     "or set warm_start.demos=0 to start from the model given"
                 )
-            if type(env).demonstrate is Environment.demonstrate:
-                raise InvalidConfigError(
-                    f"warm_start.demos: environment {self.env!r} has no scripted solver "
-                    "(Environment.demonstrate) to demonstrate with"
-                )
+            check_solver(env, self.env, "warm_start.demos")
         check_tools(self.tools)
         if min(self.producers, self.trainers, self.steps, self.concurrency) < 1:
             raise InvalidConfigError(

@@ -168,9 +168,8 @@ class Run:
         self._write_info(run_info)
         self.say(f"run directory {rd} namespace {self.namespace}")
         if self.cfg.warm_start.enabled:
-            ws = self.cfg.warm_start
             model = warm_start.prepare(
-                ws,
+                self.cfg.warm_start,
                 self.cfg.env,
                 self.cfg.env_options,
                 self.cfg.seed,

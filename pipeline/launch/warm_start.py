@@ -76,10 +76,7 @@ class WarmStartConfig:
                     f"warm_start.pretrain: {name!r} needs a count of demonstrations >= 1, "
                     f"not {count!r}"
                 )
-            if type(make(name)).demonstrate is Environment.demonstrate:
-                raise InvalidConfigError(
-                    f"warm_start.pretrain: environment {name!r} has no scripted solver"
-                )
+            check_solver(make(name), name, "warm_start.pretrain")
         for where, given in (("sft", self.sft), ("pretrain_sft", self.pretrain_sft)):
             own = sorted(set(given) & set(_OWN))
             if own:
@@ -92,6 +89,16 @@ class WarmStartConfig:
     @property
     def enabled(self) -> bool:
         return self.demos > 0
+
+
+def check_solver(env: Environment, name: str, where: str) -> None:
+    """InvalidConfigError unless environment ``name`` has a scripted solver to make
+    demonstrations with (:meth:`Environment.demonstrate`)."""
+    if type(env).demonstrate is Environment.demonstrate:
+        raise InvalidConfigError(
+            f"{where}: environment {name!r} has no scripted solver "
+            "(Environment.demonstrate) to demonstrate with"
+        )
 
 
 def model_dir(run_dir: Path) -> Path:
