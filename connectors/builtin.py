@@ -133,9 +133,27 @@ CALC_PARAMETERS = {
 }
 
 
+def estimate(value: int, figures: int = 2) -> int:
+    """``value`` rounded to ``figures`` significant figures (halves away from zero)."""
+    digits = len(str(abs(value)))
+    if digits <= figures:
+        return value
+    step = 10 ** (digits - figures)
+    rounded = (abs(value) + step // 2) // step * step
+    return rounded if value >= 0 else -rounded
+
+
 class Calculator(Environment):
     """Answer ``a op b op c``; the ``calc`` tool evaluates expressions. Reward 1 for the
-    right integer as the final answer (the first turn that is not a tool call)."""
+    right integer as the final answer (the first turn that is not a tool call).
+
+    Its scripted demonstrations call the tool and answer what it returns, except on a
+    ``mental_share`` of the tasks (0 to 1, chosen by the task), where the demonstrator
+    answers from mental arithmetic without the tool: the value to two significant
+    figures, as someone who skips the calculator estimates it (right only where the value
+    has two significant figures). Transcripts people write mix both; fine-tuned on them, a
+    model calls the tool on about the rest of the tasks, and RL can learn that the tool
+    pays."""
 
     name = "calc"
 
@@ -143,10 +161,20 @@ class Calculator(Environment):
         self,
         max_operand: int = 9,
         max_turns: int = 3,
+        mental_share: float = 0.0,
         latency: LatencyModel | None = None,
         seed: int | None = None,
     ) -> None:
+        if (
+            isinstance(mental_share, bool)
+            or not isinstance(mental_share, int | float)
+            or not 0.0 <= mental_share <= 1.0
+        ):
+            raise InvalidConfigError(
+                f"calc: mental_share must be a number in [0, 1], got {mental_share!r}"
+            )
         self.max_operand, self.max_turns = max_operand, max_turns
+        self.mental_share = float(mental_share)
         self.latency = latency or LatencyModel()
         self._rng = random.Random(seed)
         self._answer = 0
@@ -186,7 +214,10 @@ class Calculator(Environment):
     async def demonstrate(
         self, task: Task, call: Callable[[str, dict[str, Any]], Awaitable[str]]
     ) -> str | None:
-        """The tool's way: ask ``calc`` for the expression, answer what it says."""
+        """The tool's way: ask ``calc`` for the expression, answer what it says; on a
+        ``mental_share`` of the tasks an estimate without the tool."""
+        if random.Random(task.task_id).random() < self.mental_share:
+            return str(estimate(int(task.params["answer"])))
         return await call("calc", {"expression": task.params["expression"]})
 
     async def _calc(self, expression: str) -> str:

@@ -97,6 +97,7 @@ def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
             finals: list[float] = []
             stale: list[float] = []
             calls: list[tuple[float | None, float | None]] = []
+            with_tool: list[tuple[float | None, float | None]] = []
             starts: list[float | None] = []
             sft_loss: list[float | None] = []
             for seed in range(first, first + seeds):
@@ -133,6 +134,12 @@ def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
                         result.figures.get("tool_call_rate_final"),
                     )
                 )
+                with_tool.append(
+                    (
+                        result.figures.get("success_with_tool_initial"),
+                        result.figures.get("success_with_tool_final"),
+                    )
+                )
                 beyond_text = "" if beyond is None else f", {beyond:+.1f} over random answers"
                 print(f"   gain {gain:+.1f} points{beyond_text}, in {walls[-1]:.0f} s", flush=True)
             results.append(
@@ -150,6 +157,9 @@ def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
                     "tool_call_rate_up_seeds": sum(
                         1 for a, b in calls if a is not None and b is not None and b > a
                     ),
+                    # success where the policy called the tool: what the calls are worth
+                    "success_with_tool_start": [c[0] for c in with_tool],
+                    "success_with_tool_final": [c[1] for c in with_tool],
                     "gain_over_random_points": over,
                     "gain_over_random_min_points": min(over) if over else None,
                     "gain_over_random_median_points": statistics.median(over) if over else None,

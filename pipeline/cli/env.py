@@ -41,6 +41,12 @@ def register(sub: Any) -> None:
     p.add_argument("--episodes", type=int, default=300, help="demonstrations to write (demos)")
     p.add_argument("--seed", type=int, default=0, help="seed of the demonstrations' tasks")
     p.add_argument("-o", "--output", default=None, help="the JSONL file to write (demos)")
+    p.add_argument(
+        "--keep-unsolved",
+        action="store_true",
+        help="demos: write the conversations the environment does not reward as solved too "
+        "(a solver that is sometimes wrong, as transcripts people write are)",
+    )
     add_json_arg(p)
     add_flags(p, ServeConfig)
     p.set_defaults(func=cmd_env, settings=ServeConfig)
@@ -145,11 +151,13 @@ def _demos(args: argparse.Namespace) -> int:
         out,
         args.seed,
         lambda s: print(s, flush=True),
+        keep_unsolved=args.keep_unsolved,
     )
+    unsolved = "among them" if args.keep_unsolved else "left out"
     print_result(
         args,
         {"figures": done},
         f"wrote {done['written']} demonstrations to {out} ({done['unsolved']} tasks the solver "
-        "did not solve left out)",
+        f"did not solve {unsolved})",
     )
     return 0

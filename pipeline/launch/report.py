@@ -223,6 +223,11 @@ def figures(
         "tool_call_rate_final": final.get("tool_call_rate") if final else None,
         "tool_error_rate_initial": init.get("tool_error_rate") if init else None,
         "tool_error_rate_final": final.get("tool_error_rate") if final else None,
+        # success split by tool use: the no-tool answers of the start are a baseline
+        "success_with_tool_initial": init.get("success_with_tool") if init else None,
+        "success_with_tool_final": final.get("success_with_tool") if final else None,
+        "success_without_tool_initial": init.get("success_without_tool") if init else None,
+        "success_without_tool_final": final.get("success_without_tool") if final else None,
         # demonstrations, SFT steps, final SFT loss and seconds of the warm start
         "warm_start": _json(run_dir / "warm_start" / "summary.json"),
         "steps": metrics[-1]["step"] if metrics else 0,

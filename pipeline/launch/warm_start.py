@@ -49,6 +49,9 @@ class WarmStartConfig:
     preset: str = "small"
     #: its tokenizer's vocabulary at most (None: rlstream model init's default)
     vocab_size: int | None = None
+    #: write the demonstrations the environment does not reward as solved too (a solver
+    #: that is wrong on purpose some of the time, as calc's ``mental_share`` is)
+    keep_unsolved: bool = False
     #: demonstrations of other environments, by name, fine-tuned on first in a stage of
     #: their own (e.g. ``echo: 3000``: copy drills, what pretraining teaches a real model
     #: and a random one lacks)
@@ -137,6 +140,8 @@ def prepare(
     for name, options, n, path in sources:
         if not path.is_file():
             flags = [f"--env-option={k}={json.dumps(v)}" for k, v in options.items()]
+            if path == demos and ws.keep_unsolved:
+                flags.append("--keep-unsolved")
             stage(
                 "demos" if path == demos else f"demos-{path.stem}",
                 ["env", "demos", name, *flags, f"--episodes={n}", f"--seed={seed}",

@@ -131,6 +131,15 @@ FIGURES: dict[str, str] = {
     "tool_call_rate_final": "held-out episodes of the final policy that called a tool",
     "tool_error_rate_initial": "tool calls of the initial policy that came back as errors",
     "tool_error_rate_final": "tool calls of the final policy that came back as errors",
+    "success_with_tool_initial": "held-out success of the initial policy where it called a tool",
+    "success_with_tool_final": "held-out success of the final policy where it called a tool",
+    "success_without_tool_initial": (
+        "held-out success of the initial policy where it answered without a tool (the "
+        "no-tool baseline)"
+    ),
+    "success_without_tool_final": (
+        "held-out success of the final policy where it answered without a tool"
+    ),
     "warm_start": "the warm start: demonstrations, SFT steps and final loss, seconds",
     "steps": "trainer steps",
     "trajectories_produced": "trajectories produced",

@@ -187,6 +187,18 @@ def tool_call_rate(trajectories: Sequence[Trajectory]) -> float:
     return sum(t.tool_calls > 0 for t in trajectories) / len(trajectories) if trajectories else 0.0
 
 
+def success_by_tool_use(trajectories: Sequence[Trajectory]) -> tuple[float | None, float | None]:
+    """Success of the trajectories that called a tool, and of those that answered without
+    one (None where there are none): what the tool is worth to the policy, and its no-tool
+    answers as a baseline."""
+    called = [t.succeeded for t in trajectories if t.tool_calls > 0]
+    alone = [t.succeeded for t in trajectories if t.tool_calls == 0]
+    return (
+        sum(called) / len(called) if called else None,
+        sum(alone) / len(alone) if alone else None,
+    )
+
+
 @dataclass(slots=True, eq=False)
 class Trajectory:
     """One finished episode. Arrays are 1-D and of equal length ``T``:

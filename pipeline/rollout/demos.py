@@ -2,7 +2,9 @@
 (:meth:`connectors.base.Environment.demonstrate`) played through the environment itself,
 written as JSONL conversations (messages in the usual chat format, tool calls included,
 and the environment's tools). Only demonstrations the environment rewards as solved are
-kept: a solver that fails writes nothing that would teach a wrong answer.
+kept (a solver that fails writes nothing that would teach a wrong answer), unless
+``keep_unsolved`` asks for transcripts as they are (a solver that, like the people whose
+transcripts a data set holds, is sometimes wrong: calc's ``mental_share``).
 """
 
 from __future__ import annotations
@@ -19,10 +21,15 @@ from pipeline.errors import InvalidConfigError
 from pipeline.policy.chat import argument_text
 from pipeline.records.trajectory import succeeded
 
+#: tasks of demonstrations come from this seed plus theirs: a stream neither producers
+#: (a run's seed + 1 + i) nor held-out evaluation (HELD_OUT_SEED + seed) draw from, so RL
+#: never trains on the tasks SFT saw answered
+DEMONSTRATION_SEED = 2_000_003
 
-async def demonstration(env: Environment, task: Task) -> dict[str, Any] | None:
-    """The solver's conversation of ``task`` (``{"messages", "tools"}``), or None when the
-    environment does not reward it as solved."""
+
+async def demonstration(env: Environment, task: Task) -> tuple[dict[str, Any], bool]:
+    """The solver's conversation of ``task`` (``{"messages", "tools"}``) and whether the
+    environment rewards it as solved."""
     messages: list[dict[str, Any]] = [{"role": "user", "content": await env.reset(task)}]
 
     async def call(name: str, arguments: dict[str, Any]) -> str:
@@ -49,10 +56,10 @@ async def demonstration(env: Environment, task: Task) -> dict[str, Any] | None:
     finally:
         await env.close()
     rewards = step.info.get("rewards")  # judged as an episode is (its reward components)
-    if not step.done or not succeeded(step.reward, rewards if isinstance(rewards, dict) else {}):
-        return None
+    solved = step.done and succeeded(step.reward, rewards if isinstance(rewards, dict) else {})
     tools = env.tools.describe() if env.tools is not None else []
-    return {"messages": messages, "tools": [{"type": "function", "function": t} for t in tools]}
+    demo = {"messages": messages, "tools": [{"type": "function", "function": t} for t in tools]}
+    return demo, solved
 
 
 def write_demonstrations(
@@ -62,27 +69,29 @@ def write_demonstrations(
     out: Path,
     seed: int = 0,
     progress: Callable[[str], None] = lambda s: None,
+    keep_unsolved: bool = False,
 ) -> dict[str, int]:
-    """``episodes`` demonstrations of tasks drawn from ``seed`` (the producers' task
-    stream, not the held-out one) into the JSONL file ``out``; returns how many were
-    written and how many the environment did not reward."""
+    """``episodes`` demonstrations of tasks drawn from ``seed`` (a stream of their own,
+    :data:`DEMONSTRATION_SEED`) into the JSONL file ``out``; returns how many were
+    written and how many the environment did not reward (left out, or with
+    ``keep_unsolved`` written all the same)."""
     if episodes < 1:
         raise InvalidConfigError(f"episodes must be at least 1, not {episodes}")
-    rng = random.Random(seed)
+    rng = random.Random(DEMONSTRATION_SEED + seed)
     written = failed = 0
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".partial")
     with tmp.open("w") as f:
         while written < episodes:
-            if failed > episodes:
+            if failed > episodes and not keep_unsolved:
                 raise InvalidConfigError(
                     f"environment {env_name!r}'s solver failed {failed} tasks for {written} "
                     "solved: its demonstrations would teach little"
                 )
             env = make(env_name, **env_options)
-            demo = asyncio.run(demonstration(env, env.sample_task(rng)))
-            if demo is None:
-                failed += 1
+            demo, solved = asyncio.run(demonstration(env, env.sample_task(rng)))
+            failed += not solved
+            if not solved and not keep_unsolved:
                 continue
             f.write(json.dumps(demo) + "\n")
             written += 1

@@ -28,7 +28,7 @@ from pipeline.policy.hf_weights import initial_model
 from pipeline.policy.sampler import DecodeEngine
 from pipeline.policy.server import PolicyServer
 from pipeline.policy.tokenizer import tokenizer_for
-from pipeline.records.trajectory import tool_call_rate, tool_error_rate
+from pipeline.records.trajectory import success_by_tool_use, tool_call_rate, tool_error_rate
 from pipeline.rollout.config import EpisodeLimits
 from pipeline.rollout.episode import GroupSlot, run_episode
 
@@ -48,6 +48,10 @@ class EvalResult:
     tool_call_rate: float = 0.0
     #: share of tool calls that came back as errors
     tool_error_rate: float = 0.0
+    #: success of the episodes that called a tool, and of those that answered without
+    #: one (None: no such episode)
+    success_with_tool: float | None = None
+    success_without_tool: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -59,6 +63,8 @@ class EvalResult:
             "version": self.version,
             "tool_call_rate": self.tool_call_rate,
             "tool_error_rate": self.tool_error_rate,
+            "success_with_tool": self.success_with_tool,
+            "success_without_tool": self.success_without_tool,
         }
 
 
@@ -128,6 +134,7 @@ def evaluate(
             f"{str(server.error)[:300]}"
         )
     rewards = [t.reward for t in trajectories]
+    with_tool, without_tool = success_by_tool_use(trajectories)
     return EvalResult(
         episodes=len(rewards),
         success=sum(t.succeeded for t in trajectories) / max(1, len(rewards)),
@@ -137,6 +144,8 @@ def evaluate(
         version=engine.version,
         tool_call_rate=tool_call_rate(trajectories),
         tool_error_rate=tool_error_rate(trajectories),
+        success_with_tool=with_tool,
+        success_without_tool=without_tool,
     )
 
 

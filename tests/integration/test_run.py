@@ -469,6 +469,8 @@ def test_the_tool_arithmetic_recipe_runs_every_stage(bootstrap: str, tmp_path: P
     }
     flags = [f"--bootstrap={bootstrap}", "--steps=2", "--eval-episodes=4", "--json"]
     flags += ["--groups-per-batch=1", "--group-size=4", "--concurrency=8"]
+    # demonstrations that answer half the tasks without the tool, the wrong ones kept
+    flags += ["--env-option=mental_share=0.5", "--warm-start.keep-unsolved"]
     proc = subprocess.run(
         ["bash", "recipes/tool-arithmetic.sh", *flags],
         capture_output=True,
@@ -479,7 +481,10 @@ def test_the_tool_arithmetic_recipe_runs_every_stage(bootstrap: str, tmp_path: P
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     warm = out / "warm_start"
-    assert len((warm / "demos.jsonl").read_text().splitlines()) == 24
+    demos = [json.loads(ln) for ln in (warm / "demos.jsonl").read_text().splitlines()]
+    assert len(demos) == 24
+    # some demonstrations answer without the tool (mental_share), wrong ones kept
+    assert 0 < sum(len(d["messages"]) == 2 for d in demos) < 24
     assert len((warm / "pretrain-echo.jsonl").read_text().splitlines()) == 16
     assert len((warm / "tokenizer-text.jsonl").read_text().splitlines()) == 40
     sft = json.loads((warm / "sft.json").read_text())
@@ -495,6 +500,9 @@ def test_the_tool_arithmetic_recipe_runs_every_stage(bootstrap: str, tmp_path: P
     for which in ("initial", "final"):
         assert 0 <= figures[f"tool_call_rate_{which}"] <= 1
         assert 0 <= figures[f"tool_error_rate_{which}"] <= 1
+        for split in ("with", "without"):  # None: no held-out episode of that kind
+            value = figures[f"success_{split}_tool_{which}"]
+            assert value is None or 0 <= value <= 1
     metrics = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2] and "calc" in metrics[0]["success"]
     assert all(0 <= m["tool_call_rate"]["calc"] <= 1 for m in metrics)

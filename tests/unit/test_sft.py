@@ -16,17 +16,23 @@ import pytest
 from safetensors.numpy import load_file
 
 from connectors.base import Task, make
-from connectors.builtin import Calculator, safe_arithmetic
+from connectors.builtin import Calculator, estimate, safe_arithmetic
 from pipeline.cli.main import main
 from pipeline.errors import InvalidConfigError
 from pipeline.policy.chat import ChatTokenizer
 from pipeline.policy.hf_config import read_model_config
 from pipeline.policy.hf_init import init_checkpoint
 from pipeline.policy.hf_weights import load_model
-from pipeline.records.trajectory import META_TOOL_ERRORS, tool_call_rate, tool_error_rate
+from pipeline.records.trajectory import (
+    META_TOOL_ERRORS,
+    success_by_tool_use,
+    tool_call_rate,
+    tool_error_rate,
+)
 from pipeline.rollout.config import EpisodeLimits
 from pipeline.rollout.demos import write_demonstrations
 from pipeline.rollout.episode import GroupSlot, run_episode
+from pipeline.rollout.evaluate import HELD_OUT_SEED
 from pipeline.testing import ScriptedPolicy
 from pipeline.train.sft_data import load_examples
 
@@ -144,6 +150,11 @@ def test_an_episode_counts_its_tool_calls_that_came_back_as_errors(qwen3: Path) 
     )
     assert META_TOOL_ERRORS not in plain.metadata and plain.tool_errors == 0
     assert tool_error_rate([plain]) == 0.0 and tool_call_rate([plain, t]) == 0.5
+    # success split by tool use: what the tool is worth, the no-tool answers as a baseline
+    wrong = dataclasses.replace(plain, reward=0.0, rewards={"env": 0.0})
+    assert success_by_tool_use([t, plain, wrong]) == (1.0, 0.5)
+    assert success_by_tool_use([wrong]) == (None, 0.0)
+    assert success_by_tool_use([t]) == (1.0, None) and success_by_tool_use([]) == (None, None)
 
 
 GOOD = json.dumps(_calc_conversation("1+2", 3))
@@ -363,6 +374,61 @@ def test_demonstrations_are_the_solvers_solved_conversations(
     with pytest.raises(InvalidConfigError, match="solver failed 5 tasks for 0 solved"):
         write_demonstrations(f"{__name__}:WrongCalc", {}, 4, tmp_path / "w.jsonl")
     assert not (tmp_path / "w.jsonl").exists() and not (tmp_path / "g.jsonl").exists()
+
+
+def test_calc_demonstrations_answer_a_share_of_tasks_from_mental_arithmetic(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """calc's ``mental_share``: the solver answers that share of the tasks (chosen by the
+    task, the same every time) with an estimate to two significant figures and no tool
+    call. Those that are wrong are left out unless ``--keep-unsolved`` keeps them."""
+    assert [estimate(v) for v in (0, 7, -42, 149, 150, 1862, -1166, 804435, 995, -995)] == [
+        0, 7, -42, 150, 150, 1900, -1200, 800000, 1000, -1000
+    ]  # fmt: skip
+    for bad in (-0.1, 1.5, "0.5", True, float("nan")):
+        with pytest.raises(InvalidConfigError, match="mental_share"):
+            make("calc", mental_share=bad)
+    args = ["env", "demos", "calc", "--env-option", "max_operand=999",
+            "--env-option", "mental_share=0.5", "--episodes", "200", "--json"]  # fmt: skip
+    assert main([*args, "--keep-unsolved", "-o", str(tmp_path / "all.jsonl")]) == 0
+    unsolved = json.loads(capsys.readouterr().out.splitlines()[-1])["figures"]["unsolved"]
+    rows = [json.loads(ln) for ln in (tmp_path / "all.jsonl").read_text().splitlines()]
+    mental = [r for r in rows if len(r["messages"]) == 2]
+    assert len(rows) == 200 and 70 <= len(mental) <= 130
+    wrong = 0
+    for r in mental:
+        expr = r["messages"][0]["content"].removeprefix("What is ").removesuffix("?")
+        said = int(r["messages"][1]["content"])
+        assert said == estimate(safe_arithmetic(expr)) and "tool_calls" not in r["messages"][1]
+        wrong += said != safe_arithmetic(expr)
+    assert wrong == unsolved > 0  # every tool answer is right, most estimates are not
+    assert main([*args, "-o", str(tmp_path / "solved.jsonl")]) == 0
+    solved = [json.loads(ln) for ln in (tmp_path / "solved.jsonl").read_text().splitlines()]
+    assert len(solved) == 200
+    for r in solved:  # kept estimates are the right ones; the tasks' choice is stable
+        if len(r["messages"]) == 2:
+            expr = r["messages"][0]["content"].removeprefix("What is ").removesuffix("?")
+            assert r["messages"][1]["content"] == str(safe_arithmetic(expr))
+    assert [r["messages"][:2] for r in solved if len(r["messages"]) == 4][:5] == [
+        r["messages"][:2] for r in rows if len(r["messages"]) == 4
+    ][:5]
+
+
+def test_demonstrations_draw_tasks_no_producer_or_evaluation_draws(tmp_path: Path) -> None:
+    """The tasks SFT sees answered are not the tasks RL trains on, whatever the seeds:
+    demonstrations of seeds 0-2 share no task with the streams of the producers of runs
+    of seeds 0-3 (seed + 1 + i) or with the held-out evaluation of those runs."""
+    demos = set()
+    for seed in range(3):
+        out = tmp_path / f"d{seed}.jsonl"
+        write_demonstrations("calc", {"max_operand": 999}, 30, out, seed)
+        demos |= {json.loads(ln)["messages"][0]["content"] for ln in out.read_text().splitlines()}
+    assert len(demos) == 90
+    env = make("calc", max_operand=999)
+    for stream in [*range(1, 6), *(HELD_OUT_SEED + s for s in range(4))]:
+        rng = random.Random(stream)
+        drawn = {f"What is {env.sample_task(rng).params['expression']}?" for _ in range(200)}
+        assert not demos & drawn, stream
 
 
 def test_echo_rewards_the_exact_string_and_demonstrates_copying(tmp_path: Path) -> None:
