@@ -128,18 +128,8 @@ def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
                 warm = result.figures.get("warm_start") or {}
                 sft_loss.append(warm.get("sft_loss_final"))
                 stale.append(float(result.figures.get("staleness_mean") or 0.0))
-                calls.append(
-                    (
-                        result.figures.get("tool_call_rate_initial"),
-                        result.figures.get("tool_call_rate_final"),
-                    )
-                )
-                with_tool.append(
-                    (
-                        result.figures.get("success_with_tool_initial"),
-                        result.figures.get("success_with_tool_final"),
-                    )
-                )
+                calls.append(_start_and_final(result.figures, "tool_call_rate"))
+                with_tool.append(_start_and_final(result.figures, "success_with_tool"))
                 beyond_text = "" if beyond is None else f", {beyond:+.1f} over random answers"
                 print(f"   gain {gain:+.1f} points{beyond_text}, in {walls[-1]:.0f} s", flush=True)
             results.append(
@@ -190,3 +180,8 @@ def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
         else {"gain_over_random_min_points": ">= 15", "wall_max_s": "<= 600"}
     )
     return {"bench": "learn", "figures": figures, "ratios": {}, "goals": goals}
+
+
+def _start_and_final(figures: dict[str, Any], name: str) -> tuple[float | None, float | None]:
+    """A run's figure ``name`` of its start and of its final policy."""
+    return figures.get(f"{name}_initial"), figures.get(f"{name}_final")

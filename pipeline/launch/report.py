@@ -177,6 +177,10 @@ def evaluations(
     return evals
 
 
+#: the evaluations' figures of tool use, reported for the start and the final policy
+TOOL_FIGURES = ("tool_call_rate", "tool_error_rate", "success_with_tool", "success_without_tool")
+
+
 def figures(
     run_dir: Path, s: Subject, evals: Mapping[str, dict[str, Any] | None]
 ) -> dict[str, Any]:
@@ -218,16 +222,13 @@ def figures(
             else None
         ),
         "eval_episodes": s.eval_episodes,
-        # held-out episodes with a tool call, and tool calls that came back as errors
-        "tool_call_rate_initial": init.get("tool_call_rate") if init else None,
-        "tool_call_rate_final": final.get("tool_call_rate") if final else None,
-        "tool_error_rate_initial": init.get("tool_error_rate") if init else None,
-        "tool_error_rate_final": final.get("tool_error_rate") if final else None,
-        # success split by tool use: the no-tool answers of the start are a baseline
-        "success_with_tool_initial": init.get("success_with_tool") if init else None,
-        "success_with_tool_final": final.get("success_with_tool") if final else None,
-        "success_without_tool_initial": init.get("success_without_tool") if init else None,
-        "success_without_tool_final": final.get("success_without_tool") if final else None,
+        # held-out episodes with a tool call, tool calls that came back as errors, and
+        # success split by tool use (the start's no-tool answers are a baseline)
+        **{
+            f"{name}_{which}": ev.get(name) if ev else None
+            for name in TOOL_FIGURES
+            for which, ev in (("initial", init), ("final", final))
+        },
         # demonstrations, SFT steps, final SFT loss and seconds of the warm start
         "warm_start": _json(run_dir / "warm_start" / "summary.json"),
         "steps": metrics[-1]["step"] if metrics else 0,
