@@ -170,6 +170,7 @@ _REGISTRY: dict[str, Callable[..., Environment] | str] = {
     "guess": "connectors.builtin:GuessNumber",
     "calc": "connectors.builtin:Calculator",
     "echo": "connectors.builtin:Echo",
+    "lookup": "connectors.builtin:Lookup",
     "gym": "connectors.gym:GymEnvironment",
     "http": "connectors.http:HttpEnvironment",
     "process": "connectors.process:ProcessEnvironment",

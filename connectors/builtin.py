@@ -5,7 +5,9 @@
 - ``calc``: answer an arithmetic question, optionally using the ``calc`` tool;
 - ``echo``: repeat a string of digits and operators exactly: copying, which a pretrained
   model knows and a random one must learn (its demonstrations are copy drills to mix into
-  another task's SFT data).
+  another task's SFT data);
+- ``lookup``: ask the ``lookup`` tool for a key's value and answer it: the same copying
+  inside the tool-call format (key into the call, the tool's answer into the reply).
 
 All take ``latency`` (a :class:`LatencyModel`) to stand in for tools and remote
 environments, with a heavy tail.
@@ -234,19 +236,13 @@ class Echo(Environment):
     def __init__(
         self, max_numbers: int = 4, latency: LatencyModel | None = None, seed: int | None = None
     ) -> None:
-        if not isinstance(max_numbers, int) or isinstance(max_numbers, bool):
-            raise InvalidConfigError(f"echo: max_numbers must be an integer, got {max_numbers!r}")
-        if not 1 <= max_numbers <= 16:
-            raise InvalidConfigError(f"echo: max_numbers must lie in [1, 16], got {max_numbers}")
-        self.max_numbers = max_numbers
+        self.max_numbers = _count("echo: max_numbers", max_numbers, 16)
         self.latency = latency or LatencyModel()
         self._rng = random.Random(seed)
         self._text = ""
 
     def sample_task(self, rng: random.Random) -> Task:
-        text = str(rng.randint(0, 999))
-        for _ in range(rng.randint(1, self.max_numbers) - 1):
-            text += rng.choice("+-*") + str(rng.randint(0, 999))
+        text = _numbers(rng, rng.randint(1, self.max_numbers))
         if rng.random() < 0.3:
             text = "-" + text
         return Task(f"echo-{text}", {"text": text})
@@ -266,3 +262,79 @@ class Echo(Environment):
     ) -> str | None:
         """Say the string."""
         return str(task.params["text"])
+
+
+def _count(what: str, value: object, top: int) -> int:
+    """``value`` when it is an integer in ``[1, top]``; InvalidConfigError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidConfigError(f"{what} must be an integer, got {value!r}"[:200])
+    if not 1 <= value <= top:
+        raise InvalidConfigError(f"{what} must lie in [1, {top}], got {value}")
+    return value
+
+
+def _numbers(rng: random.Random, count: int) -> str:
+    """``count`` numbers below 1000 joined by ``+ - *``."""
+    text = str(rng.randint(0, 999))
+    for _ in range(count - 1):
+        text += rng.choice("+-*") + str(rng.randint(0, 999))
+    return text
+
+
+LOOKUP_PARAMETERS = {
+    "type": "object",
+    "properties": {"key": {"type": "string", "maxLength": 64}},
+    "required": ["key"],
+    "additionalProperties": False,
+}
+
+
+class Lookup(Environment):
+    """Look up a key with the ``lookup`` tool and answer its value: copy drills in the
+    tool-call format, as calc's episodes lay them out (a tools listing, a question, a call
+    whose argument copies text of the question, a reply that copies the tool's answer),
+    what a pretrained tool-calling model knows and a random one must learn. Keys are
+    three numbers below 1000 joined by ``+ - *`` (as calc's questions); values random
+    integers of 1 to ``max_digits`` digits, unrelated to the key (nothing to compute).
+    Reward 1 for the value as the answer; one answer an episode."""
+
+    name = "lookup"
+
+    def __init__(
+        self, max_digits: int = 6, latency: LatencyModel | None = None, seed: int | None = None
+    ) -> None:
+        self.max_digits = _count("lookup: max_digits", max_digits, 18)
+        self.latency = latency or LatencyModel()
+        self._rng = random.Random(seed)
+        self._key, self._value = "", 0
+        self.tools = ToolRegistry(
+            [Tool("lookup", "the value stored under a key", LOOKUP_PARAMETERS, self._lookup)]
+        )
+
+    def sample_task(self, rng: random.Random) -> Task:
+        key = _numbers(rng, 3)
+        digits = rng.randint(1, self.max_digits)
+        value = rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
+        value = -value if rng.random() < 0.3 else value
+        return Task(f"lookup-{key}-{value}", {"key": key, "value": value})
+
+    async def reset(self, task: Task) -> str:
+        self._key, self._value = str(task.params["key"]), int(task.params["value"])
+        await asyncio.sleep(self.latency.sample(self._rng))
+        return f"What is stored under {self._key}?"
+
+    async def step(self, action: str) -> Step:
+        await asyncio.sleep(self.latency.sample(self._rng))
+        m = _INT.search(action)
+        solved = m is not None and int(m.group()) == self._value
+        return Step("Correct!" if solved else "Wrong.", float(solved), True, {"solved": solved})
+
+    async def demonstrate(
+        self, task: Task, call: Callable[[str, dict[str, Any]], Awaitable[str]]
+    ) -> str | None:
+        """Ask the tool for the key, answer what it says."""
+        return await call("lookup", {"key": task.params["key"]})
+
+    async def _lookup(self, key: str) -> str:
+        await asyncio.sleep(self.latency.sample(self._rng))
+        return str(self._value) if key == self._key else f"nothing is stored under {key}"[:100]

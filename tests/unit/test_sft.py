@@ -456,6 +456,45 @@ def test_echo_rewards_the_exact_string_and_demonstrates_copying(tmp_path: Path) 
         assert user["content"] == "Repeat: " + answer["content"] and row["tools"] == []
 
 
+def test_lookup_drills_copy_through_the_tool_call_format(tmp_path: Path) -> None:
+    """``lookup``: the key goes into the tool call, the tool's value into the answer. Only
+    the exact key finds the value (a key off by a digit finds nothing); only the value is
+    rewarded; values are unrelated to the key, signed, of 1 to max_digits digits; its
+    demonstrations are Qwen-format tool-call conversations that copy both ways."""
+    env = make("lookup", max_digits=4)
+    rng = random.Random(0)
+    tasks = [env.sample_task(rng) for _ in range(300)]
+    assert all(re.fullmatch(r"\d{1,3}([-+*]\d{1,3}){2}", t.params["key"]) for t in tasks)
+    values = [t.params["value"] for t in tasks]
+    assert {len(str(abs(v))) for v in values} == {1, 2, 3, 4} and min(values) < 0 < max(values)
+    assert len({t.task_id for t in tasks}) == len(tasks)
+    task = tasks[1]
+    key, value = task.params["key"], task.params["value"]
+
+    async def episode(call_key: str, said: str) -> tuple[str, Any]:
+        prompt = await env.reset(task)
+        assert key in prompt
+        result = await env.tools.call("lookup", json.dumps({"key": call_key}))
+        return result.text, await env.step(said)
+
+    text, step = asyncio.run(episode(key, f"It is {value}."))
+    assert text == str(value) and step.done and step.reward == 1.0
+    text, step = asyncio.run(episode(key[:-1], str(value + 1)))
+    assert str(value) not in text and step.reward == 0.0 and not step.info["solved"]
+    assert asyncio.run(env.tools.call("lookup", '{"key": 5}')).error == "bad_arguments"
+    for bad in (0, 19, "3", True):
+        with pytest.raises(InvalidConfigError, match="max_digits"):
+            make("lookup", max_digits=bad)
+    out = tmp_path / "lookup.jsonl"
+    assert main(["env", "demos", "lookup", "--episodes", "5", "-o", str(out)]) == 0
+    for row in map(json.loads, out.read_text().splitlines()):
+        user, call, tool, answer = row["messages"]
+        (fn,) = [c["function"] for c in call["tool_calls"]]
+        assert fn["name"] == "lookup" and fn["arguments"]["key"] in user["content"]
+        assert answer["content"] == tool["content"] and re.fullmatch(r"-?\d+", tool["content"])
+        assert [t["function"]["name"] for t in row["tools"]] == ["lookup"]
+
+
 def test_env_serve_still_takes_its_name_beside_demos() -> None:
     """``env serve NAME`` and ``env demos NAME`` share one parser: serve without a name or
     a config file is refused, with one it is resolved to that environment."""
