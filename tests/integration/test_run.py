@@ -469,8 +469,6 @@ def test_the_tool_arithmetic_recipe_runs_every_stage(bootstrap: str, tmp_path: P
     }
     flags = [f"--bootstrap={bootstrap}", "--steps=2", "--eval-episodes=4", "--json"]
     flags += ["--groups-per-batch=1", "--group-size=4", "--concurrency=8"]
-    # demonstrations that answer half the tasks without the tool, the wrong ones kept
-    flags += ["--env-option=mental_share=0.5", "--warm-start.keep-unsolved"]
     proc = subprocess.run(
         ["bash", "recipes/tool-arithmetic.sh", *flags],
         capture_output=True,
@@ -483,7 +481,8 @@ def test_the_tool_arithmetic_recipe_runs_every_stage(bootstrap: str, tmp_path: P
     warm = out / "warm_start"
     demos = [json.loads(ln) for ln in (warm / "demos.jsonl").read_text().splitlines()]
     assert len(demos) == 24
-    # some demonstrations answer without the tool (mental_share), wrong ones kept
+    # the recipe's demonstrations answer half the tasks without the tool (mental_share),
+    # the wrong ones kept
     assert 0 < sum(len(d["messages"]) == 2 for d in demos) < 24
     assert len((warm / "pretrain-echo.jsonl").read_text().splitlines()) == 16
     assert len((warm / "tokenizer-text.jsonl").read_text().splitlines()) == 40
