@@ -289,7 +289,8 @@ def init_state(
     if lora is not None and lora.rank:
         adapters = init_adapters(model.cfg, lora, seed)
         reference = False
-    ref = params if reference else None
+    # a copy of its own: a donated state must not hold one buffer twice
+    ref = jax.tree.map(jnp.copy, params) if reference else None
     trained = params if adapters is None else adapters
     step = jnp.zeros((), jnp.int32)
     head = init_critic(model.cfg.d_model) if critic else None

@@ -378,3 +378,28 @@ def test_ppo_with_a_critic_learns_its_values_and_trains_from_packed_rows() -> No
         losses.append(float(metrics["value_loss"]))
     assert losses[-1] < 0.2 * losses[0], losses  # the critic fits the returns it sees
     assert float(jnp.abs(state.critic["w"]).sum()) > 0
+
+
+def test_a_kl_term_trains_with_a_donated_state_and_keeps_its_reference() -> None:
+    """The trainer donates its state to each step; with a KL term the state holds the
+    reference beside the parameters, and a donated state may not hold one buffer twice
+    (XLA refuses it). Two donated steps run; the reference stays the initial parameters
+    while the parameters move."""
+    groups = _groups([[30, 12, 50, 7], [20, 33, 9, 41]])
+    cfg = GRPOConfig(warmup_steps=1, kl_coef=0.1)
+    batch, _ = pack(groups, rows=4, length=64, grpo=cfg)
+    model = init_model(CFG, seed=0)
+    tx = cfg.optimizer()
+    graphdef, state = init_state(model, tx, reference=True)
+    initial = [np.asarray(x) for x in jax.tree.leaves(state.params)]
+    step = make_train_step(graphdef, cfg, tx, donate=True)
+    for _ in range(2):
+        state, metrics = step(state, batch)
+        assert np.isfinite(float(metrics["loss"]))
+    for x, y in zip(initial, jax.tree.leaves(state.reference), strict=True):
+        np.testing.assert_array_equal(x, np.asarray(y))
+    moved = [
+        not np.array_equal(x, np.asarray(y))
+        for x, y in zip(initial, jax.tree.leaves(state.params), strict=True)
+    ]
+    assert any(moved)
