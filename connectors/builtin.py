@@ -29,6 +29,16 @@ from pipeline.errors import InvalidConfigError
 
 _INT = re.compile(r"-?\d+")
 _DIGIT = re.compile(r"\d+")
+#: digits of an answer read at most (Python refuses to read more than 4300 into an int;
+#: no environment's target here is that long)
+_MAX_DIGITS = 4000
+
+
+def _number(action: str, pattern: re.Pattern[str] = _INT) -> int | None:
+    """The first number ``pattern`` finds in ``action`` (its first :data:`_MAX_DIGITS`
+    digits), None when there is none."""
+    m = pattern.search(action)
+    return None if m is None else int(m.group()[: _MAX_DIGITS + 1])
 
 
 class GuessNumber(Environment):
@@ -74,11 +84,10 @@ class GuessNumber(Environment):
     async def step(self, action: str) -> Step:
         await asyncio.sleep(self.latency.sample(self._rng))
         self._turns += 1
-        m = _DIGIT.search(action)
+        guess = _number(action, _DIGIT)
         last = self._turns >= self.max_turns
-        if m is None:
+        if guess is None:
             return Step("Say a number.", 0.0, last, {"valid": False})
-        guess = int(m.group())
         if guess == self._secret:
             return Step("Correct!", 1.0, True, {"valid": True, "solved": True})
         hint = "Higher." if guess < self._secret else "Lower."
@@ -198,12 +207,15 @@ class Calculator(Environment):
     async def step(self, action: str) -> Step:
         await asyncio.sleep(self.latency.sample(self._rng))
         self._turns += 1
-        m = _INT.search(action)
-        if m is not None and int(m.group()) == self._answer:
+        said = _number(action)
+        if said == self._answer:
             return Step("Correct!", 1.0, True, {"solved": True})
         last = self._turns >= self.max_turns
         return Step(
-            "Wrong, try again." if m else "Answer with a number.", 0.0, last, {"solved": False}
+            "Wrong, try again." if said is not None else "Answer with a number.",
+            0.0,
+            last,
+            {"solved": False},
         )
 
     def random_success(self) -> float:
@@ -325,8 +337,7 @@ class Lookup(Environment):
 
     async def step(self, action: str) -> Step:
         await asyncio.sleep(self.latency.sample(self._rng))
-        m = _INT.search(action)
-        solved = m is not None and int(m.group()) == self._value
+        solved = _number(action) == self._value
         return Step("Correct!" if solved else "Wrong.", float(solved), True, {"solved": solved})
 
     async def demonstrate(
@@ -337,4 +348,4 @@ class Lookup(Environment):
 
     async def _lookup(self, key: str) -> str:
         await asyncio.sleep(self.latency.sample(self._rng))
-        return str(self._value) if key == self._key else f"nothing is stored under {key}"[:100]
+        return str(self._value) if key == self._key else f"nothing is stored under {key}"

@@ -519,3 +519,15 @@ def test_the_command_line_is_built_without_importing_jax() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_an_answer_of_thousands_of_digits_is_wrong_not_a_crash() -> None:
+    """Python refuses to read more than 4300 digits into an int: guess, calc and lookup
+    read an answer's first digits only, so a flood of digits is a wrong answer."""
+    for name in ("guess", "calc", "lookup"):
+        env = make(name)
+        task = env.sample_task(random.Random(0))
+        for said in ("9" * 5000, "-" + "1" * 10_000, f"x {'7' * 4301} y"):
+            asyncio.run(env.reset(task))
+            step = asyncio.run(env.step(said))
+            assert step.reward == 0.0, (name, said[:10])
