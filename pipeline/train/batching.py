@@ -50,6 +50,11 @@ class Group:
     def complete(self) -> bool:
         return len(self.members) == self.size
 
+    @property
+    def oldest_version(self) -> int:
+        """The oldest policy version among its members (-1: one has none)."""
+        return min((m.trajectory.min_version for m in self.members.values()), default=-1)
+
 
 class Refused(NamedTuple):
     """A member the buffer would not take: ``duplicate`` or ``env_mismatch`` (an invalid
@@ -157,7 +162,12 @@ class GroupBuffer:
 
 
 class GroupQueue:
-    """Complete groups per environment, taken in proportion to ``weights``."""
+    """Complete groups per environment, taken in proportion to ``weights``; within an
+    environment the oldest policy version first (earliest deadline: a group goes stale
+    ``max_staleness`` versions after its oldest member's), in arrival order among equals.
+    Records reach the trainer from several partitions and producers in no global order,
+    so arrival order alone can train a newer group while an older one, complete, waits
+    a step longer and goes stale."""
 
     def __init__(self, weights: Mapping[str, float]) -> None:
         self.weights = dict(weights)
@@ -201,7 +211,10 @@ class GroupQueue:
                 return self._taken.get(env, 0) / max(w, 1e-9)
 
             env = min(ready, key=deficit)
-            out.append(self._queues[env].popleft())
+            q = self._queues[env]
+            first = min(range(len(q)), key=lambda i: q[i].oldest_version)  # (the first of equals)
+            out.append(q[first])
+            del q[first]
             self._taken[env] = self._taken.get(env, 0) + 1
         return out
 

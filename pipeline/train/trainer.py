@@ -481,7 +481,7 @@ class Trainer(PartitionReading):
         groups: list[Any] = []
         while len(groups) < self.quota and len(self.ready):
             for g in self.ready.take(self.quota - len(groups)):
-                oldest = min(m.trajectory.min_version for m in g.members.values())
+                oldest = g.oldest_version
                 if oldest >= 0 and self._stale(oldest):
                     self._drop_group(g, "stale")
                 elif self.cfg.grpo.dynamic_sampling and zero_variance(

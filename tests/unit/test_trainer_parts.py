@@ -123,6 +123,24 @@ def test_queue_follows_mixing_weights() -> None:
     assert len(q.drop_partitions({TP})) == before - 1 and len(q) == 0
 
 
+def test_queue_takes_the_oldest_policy_version_first() -> None:
+    """Groups arrive from several partitions and producers in no global order: the one
+    whose deadline (its oldest member's version) comes first is trained first, arrival
+    order among equals, a group without a version (-1) before any with one."""
+    q = GroupQueue({})
+    buf = GroupBuffer(100, 10)
+    arrivals = [("new", 5, 5), ("old", 3, 6), ("mixed", 4, 2), ("old-too", 3, 3), ("none", -1, 4)]
+    for n, (gid, first, second) in enumerate(arrivals):
+        for i, v in enumerate((first, second)):
+            t = make_trajectory(4, group_id=gid, group_size=2, group_index=i, versions=(v, v))
+            g = buf.add(t, where(10 * n + i))
+        assert g is not None and g.oldest_version == min(first, second)
+        q.put(g)
+    assert [g.group_id for g in q.take(2)] == ["none", "mixed"]
+    assert [g.group_id for g in q.take(9)] == ["old", "old-too", "new"]
+    assert len(q) == 0
+
+
 def test_assemble_pads_to_a_bucket_and_normalises_rewards() -> None:
     buf = GroupBuffer(100, 10)
     groups = []
