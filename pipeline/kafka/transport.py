@@ -50,6 +50,11 @@ class TrajectoryWriter:
         self.codec = codec or TrajectoryCodec()
         self.registry = registry or default_store().registry
         self._producer = kafka.producer(**producer_overrides)
+        conf = kafka.producer_config(**producer_overrides)
+        #: how long librdkafka keeps trying a record before it reports it failed
+        self.delivery_timeout_s = (
+            float(conf.get("delivery.timeout.ms", conf.get("message.timeout.ms", 300_000))) / 1000
+        )
         self._topics: dict[str, tuple[str, bytes | None]] = {}
         self._lock = threading.Lock()
         self.sent = 0
@@ -105,13 +110,35 @@ class TrajectoryWriter:
             self.last_error = wrap_error(confluent_kafka.KafkaException(err), "delivery")
         log.error("delivery failed topic=%s error=%s", msg.topic(), err.str())
 
-    def flush(self, timeout: float = 60.0) -> None:
+    def settled(self) -> int:
+        """Records the cluster has answered for, delivered or failed (delivery reports
+        waiting are served first). A delivered record is in its partition's high
+        watermark (``acks=all``); one written but not settled yet may not be."""
+        self._producer.poll(0)
+        with self._lock:
+            return self.delivered + self.failed
+
+    def flush(self, timeout: float | None = None) -> None:
         """Wait until every record is acknowledged; raise if any failed or is still
-        pending after ``timeout`` seconds."""
-        remaining = self._producer.flush(timeout)
+        pending after ``timeout`` seconds (default: the delivery timeout and a little
+        more, by when librdkafka has settled every record one way or the other: a
+        cluster that comes back after a restart may need more than a minute before
+        the client finds the partitions' leaders again, and nothing is given up
+        sooner). Says every 10 s how many records it still waits for."""
+        limit = self.delivery_timeout_s + 5 if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        while True:
+            remaining = self._producer.flush(max(0.0, min(10.0, deadline - time.monotonic())))
+            if not remaining or time.monotonic() >= deadline:
+                break
+            log.info(
+                "waiting for %d records to be acknowledged (at most %.0f s more)",
+                remaining,
+                deadline - time.monotonic(),
+            )
         if remaining:
             raise KafkaClientError(
-                f"{remaining} records still unacknowledged after {timeout:.0f}s", retriable=True
+                f"{remaining} records still unacknowledged after {limit:.0f}s", retriable=True
             )
         if self.failed:
             raise KafkaClientError(

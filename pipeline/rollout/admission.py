@@ -6,12 +6,14 @@ old, all of those together must fit the staleness budget, ``max_staleness`` trai
 of ``trainer_batch`` trajectories. A producer counts:
 
 - the trainer group's lag on the rollout topic (:class:`LagMonitor`, polled), and the
-  records written since that poll began: its own (exact) and its peers' (from their
-  heartbeats, which carry how many records each has written; a heartbeat older than the
-  poll makes this count a little high, never low);
-- its own episodes in flight (exact), and every live peer's, from their heartbeats (in
-  flight and written are taken together, so an episode that ends between two heartbeats
-  moves from one count to the other and is never missed).
+  records not acknowledged by the cluster when that poll began (a record written is in
+  the high watermark only once acknowledged): its own (exact) and its peers' (from their
+  heartbeats, which carry how many of each one's records are acknowledged; a heartbeat
+  older than the poll makes this count a little high, never low);
+- its own episodes in flight (exact), and every live peer's, from their heartbeats, where
+  a record written and not acknowledged yet still counts as in flight (in flight and
+  acknowledged are taken together, so an episode that ends between two heartbeats moves
+  from one count to the other and is never missed).
 
 Each producer publishes a :class:`Heartbeats` record (its in-flight count and its share)
 on the compacted ``<ns>.producers`` topic every poll interval, keyed by its id; a producer
@@ -148,10 +150,10 @@ class Heartbeats:
         self.consumer.assign(
             [confluent_kafka.TopicPartition(self.topic, 0, confluent_kafka.OFFSET_BEGINNING)]
         )
-        #: peer id -> (episodes in flight, share, records written, when received:
+        #: peer id -> (episodes in flight, share, records acknowledged, when received:
         #: monotonic seconds)
         self._peers: dict[str, tuple[int, int, int, float]] = {}
-        #: each peer's records written as known when the lag was last polled
+        #: each peer's records acknowledged as known when the lag was last polled
         self._sent_at_poll: dict[str, int] = {}
         self.refused = 0
         self._first_beat: float | None = None

@@ -109,7 +109,7 @@ class RolloutProducer:
         self._sync_version = 0
         self._sync_started = 0
         self._started = time.monotonic()
-        self._sent_at_poll = 0  # records written when the last lag poll began
+        self._settled_at_poll = 0  # records settled when the last lag poll began
         self._peers: dict[str, int] = {}  # live peers and their episodes in flight
         self._peers_unpolled = 0  # records the peers wrote since the last lag poll
         #: no group starts before the peers are known (the heartbeats read to the end of
@@ -286,10 +286,11 @@ class RolloutProducer:
             budget=max(0, adm.max_staleness - behind) * adm.trainer_batch,
             group_size=self.cfg.group_size,
             lag=st.lag,
-            # The polled lag counts the records Kafka held when the poll began; the
-            # records this producer wrote since count too, or a slow poll would let it
-            # start groups on a stale figure.
-            unpolled=self.writer.sent - self._sent_at_poll + self._peers_unpolled,
+            # The polled lag counts the records Kafka held when the poll began: those
+            # this producer wrote that were not acknowledged by then count too (a record
+            # written is not in the high watermark until the cluster acknowledges it),
+            # or a slow poll or a slow broker would let it start groups on a low figure.
+            unpolled=self.writer.sent - self._settled_at_poll + self._peers_unpolled,
             own_in_flight=in_flight,
             peers=self._peers,
             announced=self._announced if self._rounds_known < JOIN_ROUNDS else None,
@@ -425,19 +426,21 @@ class RolloutProducer:
         try:
             while True:
                 try:
-                    sent = self.writer.sent
+                    settled = self.writer.settled()
                     heartbeats.mark_poll()
                     self.stats.lag = await asyncio.to_thread(monitor.lag)
-                    self._sent_at_poll = sent
+                    self._settled_at_poll = settled
                 except confluent_kafka.KafkaException as e:  # e.g. coordinator loading
                     log.warning("lag unknown, keeping the last value: %s", e)
                 try:
-                    in_flight = self.in_flight
+                    # Peers count a record in their lag poll once it is acknowledged:
+                    # until then it counts as in flight here.
+                    in_flight, settled = self.in_flight, self.writer.settled()
                     self._peers, self._peers_unpolled = await asyncio.to_thread(
                         self._exchange,
                         heartbeats,
-                        in_flight,
-                        self.writer.sent,
+                        in_flight + self.writer.sent - settled,
+                        settled,
                         self.stats.share,
                     )
                     self._announced = in_flight

@@ -137,8 +137,10 @@ def test_two_producers_at_the_default_settings_waste_almost_nothing(
     """``rlstream run --producers 2`` at the default batch, staleness and concurrency:
     at most 3% of what the producers generate is dropped as stale (59% with four
     producers and 21% with two before producers counted each other), and the trainer is
-    kept busy. (A warm machine measures about 1%: 16 of 1,424; a fresh clone, whose first
-    compilations are slower, 32 of 1,448 in two runs out of two.)"""
+    kept busy. (A warm machine measured 0 of about 1,416 in four runs out of four once the
+    trainer took the oldest version first; 0 to 32 of the same before, and a slower
+    machine 56, when newer groups that arrived first pushed complete older ones a step
+    later, past the bound.)"""
     run_dir = tmp_path / "run"
     proc = subprocess.run(
         run_command(bootstrap, run_dir, "--producers=2", "--steps=20", "--eval-episodes=0"),

@@ -43,7 +43,7 @@ def test_round_trip_with_keys_and_headers(kafka: KafkaConfig, namespace: str) ->
             writer.write(t)
             sent[t.trajectory_id] = t
     writer.flush()
-    assert writer.delivered == 24 and writer.failed == 0
+    assert writer.delivered == 24 and writer.failed == 0 and writer.settled() == 24
 
     topics = list(rollout_topics(kafka, namespace).values())
     assert sorted(topics) == [rollout_topic(namespace, "math"), rollout_topic(namespace, "maze")]
