@@ -87,6 +87,10 @@ class DecodeEngine:
         self.length = np.zeros(slots, np.int64)
         self.pending: list[int | None] = [None] * slots
         self._queued: list[list[int]] = [[] for _ in range(slots)]
+        #: each slot's tokens in the cache, in order, and whether all of them were
+        #: computed with the current parameters (a swap makes every row older)
+        self._cached: list[list[int]] = [[] for _ in range(slots)]
+        self._current = [True] * slots
         #: each slot's conversation stream (see :meth:`reset`); fresh ones count down from
         #: 2**32 - 1, away from the small numbers and hashes callers pass
         self.stream = np.arange(slots, dtype=np.uint32)
@@ -135,8 +139,18 @@ class DecodeEngine:
             nxt, logp = sample_tokens(logits[:, -1], keys, temperature, top_p)
             return new, nxt, logp
 
+        @functools.partial(jax.jit, donate_argnums=0)
+        def copy_rows(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+            return KVCache(
+                tuple(k.at[dst].set(k[src]) for k in cache.k),
+                tuple(v.at[dst].set(v[src]) for v in cache.v),
+            )
+
         self._prefill = prefill
         self._decode = decode
+        self._copy_rows = copy_rows
+        #: prompts prefilled once and copied to the other slots that start with them
+        self.shared_prompt_tokens = 0
 
     # ---- slots ---------------------------------------------------------------------------
 
@@ -153,6 +167,8 @@ class DecodeEngine:
         self.length[slot] = 0
         self.pending[slot] = None
         self._queued[slot] = []
+        self._cached[slot] = []
+        self._current[slot] = True
 
     def append(self, slot: int, tokens: list[int]) -> None:
         """Tokens produced outside the policy (prompt, observations), in order. Tokens
@@ -185,19 +201,87 @@ class DecodeEngine:
         """Use new parameters from the next step on (same structure and shapes)."""
         self.state = jax.device_put(state, self.device)
         self.version = version
+        self._current = [False] * self.slots
 
     # ---- compute ------------------------------------------------------------------------
 
     def flush(self) -> None:
         """Prefill every queued token: chunks of ``chunk`` tokens for up to
-        ``prefill_rows`` slots per call (fixed shapes, so nothing recompiles)."""
+        ``prefill_rows`` slots per call (1, 2, 4 ... rows: a few shapes, each compiled
+        once). A slot
+        that starts a conversation with tokens another slot holds already, computed with
+        the current parameters, or that it is about to prefill (a GRPO group's members:
+        one prompt), takes a copy of that slot's cache rows instead of computing them."""
+        self._copy(self._share_cached())
+        followers = self._share_queued()
+        self._prefill_queued()
+        self._copy(followers)
+
+    def _share_cached(self) -> list[tuple[int, int]]:
+        """(lead, follower): fresh slots whose queued tokens begin a lead's cache."""
+        pairs: list[tuple[int, int]] = []
+        copied: set[int] = set()  # (whose rows are not there until the copy)
+        for s, q in enumerate(self._queued):
+            if not q or self.length[s] != 0:
+                continue
+            n = len(q)
+            lead = next(
+                (
+                    x
+                    for x in range(self.slots)
+                    if x != s and x not in copied and self._current[x] and self._cached[x][:n] == q
+                ),
+                None,
+            )
+            if lead is not None:
+                pairs.append((lead, s))
+                copied.add(s)
+                self._take(s, n)
+        return pairs
+
+    def _share_queued(self) -> list[tuple[int, int]]:
+        """(lead, follower): fresh slots whose queued tokens are the same (the lead's
+        cache rows are copied once it is prefilled)."""
+        leads: dict[tuple[int, ...], int] = {}
+        pairs = []
+        for s, q in enumerate(self._queued):
+            if not q or self.length[s] != 0:
+                continue
+            lead = leads.setdefault(tuple(q), s)
+            if lead != s:
+                pairs.append((lead, s))
+                self._take(s, len(q))
+        return pairs
+
+    def _take(self, follower: int, n: int) -> None:
+        """The follower's ``n`` queued tokens come from a copy, not a prefill."""
+        self._cached[follower] = self._queued[follower]
+        self._queued[follower] = []
+        self.length[follower] = n
+        self.shared_prompt_tokens += n
+
+    def _copy(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy each lead's cache rows to its follower (one call of a fixed shape: the
+        rows that copy nothing copy themselves)."""
+        if not pairs:
+            return
+        followers = {f for _, f in pairs}
+        rest = [x for x in range(self.slots) if x not in followers]
+        src = np.asarray([lead for lead, _ in pairs] + rest, np.int32)
+        dst = np.asarray([f for _, f in pairs] + rest, np.int32)
+        self.cache = self._copy_rows(self.cache, src, dst)
+
+    def _prefill_queued(self) -> None:
         while True:
             waiting = [s for s, q in enumerate(self._queued) if q][: self.prefill_rows]
             if not waiting:
                 return
-            # pad with other slots that write nothing: rows must be distinct
+            # as many rows as waiting slots, rounded up to a power of two (a few shapes,
+            # each compiled once): one slot's observation is not computed eight times
+            # over; padded with other slots that write nothing (rows must be distinct)
+            n_rows = min(self.prefill_rows, 1 << (len(waiting) - 1).bit_length())
             others = [s for s in range(self.slots) if s not in waiting]
-            rows = (waiting + others)[: self.prefill_rows]
+            rows = (waiting + others)[:n_rows]
             tokens = np.zeros((len(rows), self.chunk), np.int32)
             positions = np.zeros((len(rows), self.chunk), np.int32)
             write = np.zeros(len(rows), bool)
@@ -205,6 +289,7 @@ class DecodeEngine:
                 q = self._queued[s]
                 n = min(len(q), self.chunk)
                 tokens[r, :n] = q[:n]
+                self._cached[s] += q[:n]
                 positions[r] = self.length[s] + np.arange(self.chunk)
                 # padding repeats the last real token at its position: it writes the same
                 # keys and values there again, and nothing past the real tokens
@@ -229,6 +314,7 @@ class DecodeEngine:
             if pending is None:
                 raise InvalidConfigError(f"slot {s} has no token to continue from")
             tokens[s, 0] = pending
+            self._cached[s].append(pending)
             positions[s, 0] = self.length[s]
             write[s] = True
         sp = self.sampling

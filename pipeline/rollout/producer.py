@@ -180,6 +180,12 @@ class RolloutProducer:
             ),
             Sample("rlstream_producer_paused", int(st.paused), help="1 while admission holds back"),
             Sample(
+                "rlstream_producer_shared_prompt_tokens_total",
+                self.server.engine.shared_prompt_tokens,
+                "counter",
+                "prompt tokens copied from another conversation's cache instead of prefilled",
+            ),
+            Sample(
                 "rlstream_producer_paused_seconds_total",
                 st.paused_s,
                 "counter",

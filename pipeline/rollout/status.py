@@ -31,6 +31,7 @@ def status_line(producer: Any) -> dict[str, Any]:
         "peers": st.peers,
         "peers_in_flight": st.peers_in_flight,
         "behind": st.behind,
+        "shared_prompt_tokens": producer.server.engine.shared_prompt_tokens,
         "connectors": connector_stats.snapshot(),
     }
 

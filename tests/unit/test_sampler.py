@@ -69,10 +69,18 @@ def test_steps_do_not_recompile() -> None:
     for s in range(4):
         engine.append(s, [257, s])
     engine.step([0, 1, 2, 3])
+
+    def vary() -> None:
+        for i in range(6):
+            engine.append(i % 4, list(range(i + 1)))  # prefills of varying length
+            if i % 3 == 0:  # and of several slots at once
+                engine.append((i + 2) % 4, [1, 2])
+            engine.step([i % 4, (i + 1) % 4])  # varying subsets of slots
+
+    vary()
     compiled = engine._decode._cache_size(), engine._prefill._cache_size()
-    for i in range(6):
-        engine.append(i % 4, list(range(i + 1)))  # prefills of varying length
-        engine.step([i % 4, (i + 1) % 4])  # varying subsets of slots
+    assert compiled[0] == 1 and compiled[1] <= 3  # prefills of 1, 2 and 4 rows
+    vary()
     assert (engine._decode._cache_size(), engine._prefill._cache_size()) == compiled
 
 
@@ -99,6 +107,8 @@ def test_swapping_in_a_restored_checkpoint_does_not_recompile(tmp_path) -> None:
     engine = DecodeEngine(init_model(CFG, seed=0), slots=2, chunk=4)
     for s in range(2):
         engine.append(s, [257, s, 3])
+    engine.step([0, 1])
+    engine.append(0, [4, 5])  # (a prefill of one row: its own shape)
     engine.step([0, 1])
     compiled = engine._decode._cache_size(), engine._prefill._cache_size()
     save_params(tmp_path / "ckpt", init_model(CFG, seed=1))
@@ -255,3 +265,56 @@ def test_held_out_evaluation_gives_the_same_episodes_at_any_concurrency(monkeypa
     assert episodes(8) == once
     assert episodes(24) == once
     assert episodes(8, seed=2) != once
+
+
+def test_a_group_prompt_is_prefilled_once_and_samples_as_if_each_had_its_own() -> None:
+    """Slots that start with the same tokens (a GRPO group's members) are prefilled
+    once and share the cache rows: each draws what it draws alone, the copy is not
+    aliased (the members diverge), and nothing recompiles from one flush to the next."""
+    model = init_model(CFG, seed=0)
+    prompt = [257, *range(1, 11)]  # longer than a chunk
+    sampling = SamplingConfig(1.0, seed=3)
+
+    def alone(stream: int) -> list[tuple[int, float]]:
+        engine = DecodeEngine(model, slots=1, chunk=4, sampling=sampling)
+        engine.reset(0, stream=stream)
+        engine.append(0, prompt)
+        return [engine.step([0])[0][:2] for _ in range(8)]
+
+    engine = DecodeEngine(model, slots=5, chunk=4, sampling=sampling)
+    for s in range(5):
+        engine.reset(s, stream=100 + s)
+        engine.append(s, prompt if s != 3 else [257, 5, 5])
+    drawn: dict[int, list[tuple[int, float]]] = {s: [] for s in range(5)}
+    for _ in range(8):
+        for s, (tok, lp, _) in engine.step(list(range(5))).items():
+            drawn[s].append((tok, lp))
+    assert engine.shared_prompt_tokens == 3 * (len(prompt) - 1)
+    for s in (0, 1, 2, 4):
+        want = alone(100 + s)
+        assert [t for t, _ in drawn[s]] == [t for t, _ in want]
+        assert np.allclose([lp for _, lp in drawn[s]], [lp for _, lp in want], atol=1e-5)
+    assert len({tuple(t for t, _ in drawn[s]) for s in (0, 1, 2, 4)}) > 1
+    shared = engine.shared_prompt_tokens
+    compiled = engine._copy_rows._cache_size(), engine._prefill._cache_size()
+    for s in (0, 2):  # a second group of another size, later
+        engine.reset(s, stream=200 + s)
+        engine.append(s, [257, 7, 7, 7, 7, 7])
+    engine.step([0, 2])
+    shared += 5
+    assert engine.shared_prompt_tokens == shared
+    # a member that starts after the others took their first steps: the rows of the
+    # prompt come from a slot that holds it (slot 1, which has decoded past it)
+    engine.reset(3, stream=104)
+    engine.append(3, prompt)
+    late = [engine.step([3])[3][:2] for _ in range(8)]
+    shared += len(prompt) - 1
+    assert engine.shared_prompt_tokens == shared
+    assert [t for t, _ in late] == [t for t, _ in drawn[4]]
+    assert (engine._copy_rows._cache_size(), engine._prefill._cache_size()) == compiled
+    # after a swap no row was computed with the new parameters: nothing is copied
+    engine.swap(engine.state, 1)
+    engine.reset(3, stream=104)
+    engine.append(3, prompt)
+    assert [engine.step([3])[3][0] for _ in range(8)] == [t for t, _ in late]
+    assert engine.shared_prompt_tokens == shared
