@@ -91,7 +91,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
             "delivered": producer.writer.delivered,
             "delivery_failed": producer.writer.failed,
             "policy_version": producer.version,
-            "paused_s": stats.paused_s,
+            "paused_s": round(producer.paused_seconds(), 3),
             "connectors": connector_stats.snapshot(),
         },
     }

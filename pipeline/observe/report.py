@@ -333,7 +333,17 @@ def write_report(run_dir: Path, report: Report) -> Path:
 
 
 def paused_share(producers: dict[str, list[dict[str, Any]]]) -> float | None:
-    """The share of producers' status lines (one per second) that say paused."""
+    """The share of the producers' running time that admission control held new
+    episodes back, from each producer's own clock (its last status line's ``paused_s``
+    over its ``running_s``); for status files without them, the share of status lines
+    (one per second) that say paused."""
+    paused = running = 0.0
+    for rows in producers.values():
+        if rows and "paused_s" in rows[-1] and rows[-1].get("running_s"):
+            paused += float(rows[-1]["paused_s"])
+            running += float(rows[-1]["running_s"])
+    if running > 0:
+        return min(1.0, paused / running)
     rows = [r for lines in producers.values() for r in lines]
     return sum(1 for r in rows if r.get("paused")) / len(rows) if rows else None
 
@@ -354,7 +364,7 @@ def producer_table(producers: dict[str, list[dict[str, Any]]]) -> list[str]:
         if not rows:
             continue
         last = rows[-1]
-        paused = sum(1 for r in rows if r.get("paused")) / len(rows)
+        paused = paused_share({name: rows}) or 0.0
         lines.append(
             f"| {name} | {last.get('episodes', 0)} | {last.get('budget_share', 0)} | "
             f"{max(r.get('in_flight', 0) for r in rows)} | "

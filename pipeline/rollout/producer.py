@@ -47,7 +47,11 @@ class ProducerStats:
     finished: Counter[str] = field(default_factory=Counter)
     dropped: int = 0
     paused: bool = False
+    #: seconds admission control held new episodes back, up to the last resume (see
+    #: :meth:`RolloutProducer.paused_seconds` for a pause under way)
     paused_s: float = 0.0
+    #: when the pause under way began (monotonic seconds)
+    paused_since: float = 0.0
     lag: int = 0
     #: synchronous mode: waiting for the trainer's next version
     waiting: bool = False
@@ -187,7 +191,7 @@ class RolloutProducer:
             ),
             Sample(
                 "rlstream_producer_paused_seconds_total",
-                st.paused_s,
+                self.paused_seconds(),
                 "counter",
                 "seconds held back by admission control",
             ),
@@ -313,8 +317,21 @@ class RolloutProducer:
                 st.peers_in_flight,
                 d.share,
             )
+        if paused and not st.paused:
+            st.paused_since = time.monotonic()
+        elif st.paused and not paused:
+            st.paused_s += time.monotonic() - st.paused_since
         st.paused = paused
         return not paused
+
+    def paused_seconds(self) -> float:
+        """Seconds admission control has held new episodes back so far (this producer's
+        clock, a pause under way included)."""
+        st = self.stats
+        return st.paused_s + (time.monotonic() - st.paused_since if st.paused else 0.0)
+
+    def running_seconds(self) -> float:
+        return time.monotonic() - self._started
 
     @property
     def in_flight(self) -> int:
@@ -454,8 +471,6 @@ class RolloutProducer:
                 except confluent_kafka.KafkaException as e:
                     log.warning("heartbeats not exchanged, keeping the last peers: %s", e)
                 self._peers_known = self._peers_known or heartbeats.ready
-                if self.stats.paused:
-                    self.stats.paused_s += adm.poll_s
                 await asyncio.sleep(adm.poll_s)
         except asyncio.CancelledError:
             pass

@@ -21,6 +21,8 @@ def status_line(producer: Any) -> dict[str, Any]:
         "episodes": done,
         "in_flight": st.started - done - st.dropped,
         "paused": st.paused,
+        "paused_s": round(producer.paused_seconds(), 3),
+        "running_s": round(producer.running_seconds(), 3),
         "waiting": st.waiting,
         "lag": st.lag,
         "version": producer.version,

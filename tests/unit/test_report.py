@@ -14,6 +14,7 @@ from pipeline.observe.report import (
     busy_share,
     last_json,
     ledger_summary,
+    paused_share,
     trainer_metrics,
 )
 from pipeline.records.ledger import Ledger
@@ -193,3 +194,17 @@ def test_report_refuses_a_directory_that_is_no_run_before_connecting(
     assert "nothing is not a directory" in err
     assert time.monotonic() - start < 5  # no connection was tried
     assert not any("waiting for Kafka" in r.getMessage() for r in caplog.records)
+
+
+def test_the_paused_share_is_time_weighted_by_each_producer_s_clock() -> None:
+    """Status lines carry seconds paused and running: a producer paused for 30 of 60 s
+    and one never paused make 25%, whatever share of their snapshots said paused; files
+    without those fields fall back to the snapshots."""
+    snapshots = [{"paused": True}] * 9 + [{"paused": False}]
+    timed = {
+        "producer-0": [*snapshots, {"paused": False, "paused_s": 30.0, "running_s": 60.0}],
+        "producer-1": [*snapshots, {"paused": True, "paused_s": 0.0, "running_s": 60.0}],
+    }
+    assert paused_share(timed) == 0.25
+    assert paused_share({"producer-0": snapshots}) == 0.9
+    assert paused_share({}) is None
