@@ -49,8 +49,8 @@ class TrajectoryWriter:
         self.namespace = namespace
         self.codec = codec or TrajectoryCodec()
         self.registry = registry or default_store().registry
-        self._producer = kafka.producer(**producer_overrides)
         conf = kafka.producer_config(**producer_overrides)
+        self._producer = confluent_kafka.Producer(conf)
         #: how long librdkafka keeps trying a record before it reports it failed
         self.delivery_timeout_s = (
             float(conf.get("delivery.timeout.ms", conf.get("message.timeout.ms", 300_000))) / 1000

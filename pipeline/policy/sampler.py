@@ -208,10 +208,10 @@ class DecodeEngine:
     def flush(self) -> None:
         """Prefill every queued token: chunks of ``chunk`` tokens for up to
         ``prefill_rows`` slots per call (1, 2, 4 ... rows: a few shapes, each compiled
-        once). A slot
-        that starts a conversation with tokens another slot holds already, computed with
-        the current parameters, or that it is about to prefill (a GRPO group's members:
-        one prompt), takes a copy of that slot's cache rows instead of computing them."""
+        once). A slot that starts a conversation with tokens another slot holds already,
+        computed with the current parameters, or that it is about to prefill (a GRPO
+        group's members: one prompt), takes a copy of that slot's cache rows instead of
+        computing them."""
         self._copy(self._share_cached())
         followers = self._share_queued()
         self._prefill_queued()
