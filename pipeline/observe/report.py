@@ -339,11 +339,14 @@ def paused_share(producers: dict[str, list[dict[str, Any]]]) -> float | None:
     (one per second) that say paused."""
     paused = running = 0.0
     for rows in producers.values():
-        if rows and "paused_s" in rows[-1] and rows[-1].get("running_s"):
-            paused += float(rows[-1]["paused_s"])
-            running += float(rows[-1]["running_s"])
+        try:  # (a status line written by hand or torn says nothing: skipped)
+            p, r = float(rows[-1]["paused_s"]), float(rows[-1]["running_s"])
+        except (IndexError, KeyError, TypeError, ValueError):
+            continue
+        if 0 <= p <= r < float("inf"):
+            paused, running = paused + p, running + r
     if running > 0:
-        return min(1.0, paused / running)
+        return paused / running
     rows = [r for lines in producers.values() for r in lines]
     return sum(1 for r in rows if r.get("paused")) / len(rows) if rows else None
 

@@ -207,4 +207,7 @@ def test_the_paused_share_is_time_weighted_by_each_producer_s_clock() -> None:
     }
     assert paused_share(timed) == 0.25
     assert paused_share({"producer-0": snapshots}) == 0.9
+    for bad in ("x", None, float("nan"), -1.0, 61.0):  # unreadable or impossible: skipped
+        broken = {**timed, "producer-2": [{"paused": True, "paused_s": bad, "running_s": 60.0}]}
+        assert paused_share(broken) == 0.25
     assert paused_share({}) is None
