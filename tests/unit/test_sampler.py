@@ -318,3 +318,36 @@ def test_a_group_prompt_is_prefilled_once_and_samples_as_if_each_had_its_own() -
     engine.append(3, prompt)
     assert [engine.step([3])[3][0] for _ in range(8)] == [t for t, _ in late]
     assert engine.shared_prompt_tokens == shared
+
+
+def test_draws_follow_the_distribution_across_blocks() -> None:
+    # 600 entries: three blocks of the two-level draw, mass in all of them
+    probs = np.zeros(600)
+    probs[[3, 250, 260, 511, 599]] = [0.1, 0.2, 0.3, 0.15, 0.25]
+    logits = jnp.log(jnp.asarray(probs, jnp.float32))[None].repeat(20_000, axis=0)
+    keys = jax.random.split(jax.random.key(3), 20_000)
+    tokens, logp = sample_tokens(logits, keys, 1.0, 1.0)
+    counts = np.bincount(np.asarray(tokens), minlength=600)
+    assert counts.sum() == 20_000 and set(np.flatnonzero(counts)) <= {3, 250, 260, 511, 599}
+    expected = probs * 20_000
+    chi2 = float((((counts - expected) ** 2)[expected > 0] / expected[expected > 0]).sum())
+    assert chi2 < 20.5  # 4 degrees of freedom: p < 0.0005 by chance
+    np.testing.assert_allclose(np.exp(np.asarray(logp)), probs[np.asarray(tokens)], rtol=1e-5)
+
+
+def test_temperature_and_top_p_as_traced_values_or_constants_draw_alike() -> None:
+    logits = jax.random.normal(jax.random.key(0), (64, 700)) * 3
+    keys = jax.random.split(jax.random.key(1), 64)
+    for temperature, top_p in ((0.7, 0.9), (1.0, 1.0)):
+        constant = jax.jit(lambda lg, k, tp=top_p, t=temperature: sample_tokens(lg, k, t, tp))
+        traced = jax.jit(sample_tokens)
+        a, b = constant(logits, keys), traced(logits, keys, temperature, top_p)
+        np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
+        np.testing.assert_allclose(np.asarray(a[1]), np.asarray(b[1]), rtol=1e-6)
+
+
+def test_greedy_takes_the_first_of_tied_maxima_and_survives_a_nan_row() -> None:
+    logits = jnp.asarray([[0.0, 5.0, 1.0, 5.0], [2.0, 1.0, 0.0, 2.0], [jnp.nan] * 4])
+    tokens, _ = sample_tokens(logits, jax.random.key(0), 0.0, 1.0)
+    assert np.asarray(tokens)[:2].tolist() == [1, 0]
+    assert 0 <= int(tokens[2]) < 4  # a token of the vocabulary, whatever it is
