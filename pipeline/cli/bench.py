@@ -30,6 +30,7 @@ def register(sub: Any) -> None:
             "telemetry",
             "producers",
             "model",
+            "decode",
             "scale",
             "learn",
         ],
@@ -127,6 +128,15 @@ def register(sub: Any) -> None:
         help="learn: the environment of every run (any name rlstream env list shows; "
         "default: the default run's)",
     )
+    p.add_argument(
+        "--peer-python",
+        default=None,
+        metavar="PYTHON",
+        help="decode: the interpreter that runs the other engines (transformers, "
+        "CTranslate2, llama.cpp; default: this one)",
+    )
+    p.add_argument("--prompt-tokens", type=int, default=128, help="decode: tokens of each prompt")
+    p.add_argument("--new-tokens", type=int, default=128, help="decode: tokens generated per row")
     add_env_option_arg(p)
     add_kafka_args(p)
     add_broker_args(p)
@@ -138,6 +148,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from pipeline.bench import (
         asyncrl,
         codec,
+        decode,
         learn,
         model,
         producers,
@@ -159,6 +170,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "telemetry": telemetry.run,
         "producers": producers.run,
         "model": model.run,
+        "decode": decode.run,
         "scale": scale.run,
         "learn": learn.run,
     }
