@@ -9,8 +9,10 @@ first of them. For each announcement: propagation = the moment the policy thread
 samples with the new version minus the announcement's creation time (checkpoint already
 durable); a swap applied while the policy was idle counts from when it was applied (and
 is counted, ``applied_while_idle``); swap stall = the swap itself plus how much longer the
-first decode step after it took than the median step (idle swaps stall nothing).
-``--model`` takes a preset (tiny, small, base).
+first decode step after it took than the median step (idle swaps stall nothing), also
+counted in median decode steps. ``--model`` takes a preset (tiny, small, base);
+``--swap-kv recompute`` makes the producer recompute the key-value rows of the episodes in
+flight at each swap (the first step after it prefills them all again).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
             limits=EpisodeLimits(max_new_tokens=8),
             checkpoint_roots=(root,),
             admission=AdmissionConfig(max_staleness=-1),
+            swap_kv=args.swap_kv,
         )
         producer = RolloutProducer(cfg, kafka)
         th = threading.Thread(target=producer.run, daemon=True)
@@ -137,8 +140,12 @@ def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
             "base_bytes": base_bytes,
             "full_save_s_p50": statistics.median(save_s["full"]),
             "adapters_save_s_p50": statistics.median(save_s["adapters"]),
+            "swap_kv": args.swap_kv,
             "swap_stall_ms_p50": 1000 * float(np.percentile(list(stalls.values()), 50)),
+            "swap_stall_ms_p99": 1000 * float(np.percentile(list(stalls.values()), 99)),
             "swap_stall_ms_max": 1000 * max(stalls.values()),
+            "swap_stall_steps_p50": float(np.percentile(list(stalls.values()), 50)) / median_step,
+            "swap_stall_steps_p99": float(np.percentile(list(stalls.values()), 99)) / median_step,
             "decode_step_ms_p50": 1000 * median_step,
         },
         "ratios": {

@@ -129,6 +129,13 @@ def register(sub: Any) -> None:
         "default: the default run's)",
     )
     p.add_argument(
+        "--swap-kv",
+        choices=["keep", "recompute"],
+        default="keep",
+        help="weights: what the producer does with the key-value rows of episodes in flight "
+        "at a swap",
+    )
+    p.add_argument(
         "--peer-python",
         default=None,
         metavar="PYTHON",

@@ -18,7 +18,13 @@ from typing import Any, ClassVar
 from connectors.base import make, with_latency
 from pipeline.errors import InvalidConfigError
 from pipeline.launch.warm_start import WarmStartConfig, check_solver
-from pipeline.policy.config import LoRAConfig, ModelConfig, SamplingConfig, logprob_temperature
+from pipeline.policy.config import (
+    LoRAConfig,
+    ModelConfig,
+    SamplingConfig,
+    check_swap_kv,
+    logprob_temperature,
+)
 from pipeline.rollout.config import AdmissionConfig, EpisodeLimits, ProducerConfig, check_tools
 from pipeline.train.config import GRPOConfig, TrainerConfig
 
@@ -69,6 +75,9 @@ class RunConfig:
     #: sampling temperature of the held-out evaluations (None: the producers'); fixed,
     #: it compares runs sampled at different temperatures on the same footing
     eval_temperature: float | None = None
+    #: at a weights swap, the producers keep the key-value rows of conversations in
+    #: flight or recompute them with the new weights (keep | recompute)
+    swap_kv: str = _P.swap_kv
     #: simulated environment latency, median in milliseconds (log-normal; 0: none)
     latency_ms: float = _P.latency_ms
     #: its log-normal shape
@@ -125,6 +134,7 @@ class RunConfig:
                 "grpo.temperature is the producers' sampling temperature: set --temperature "
                 f"(the trainer then uses it), not grpo.temperature={self.grpo.temperature}"
             )
+        check_swap_kv(self.swap_kv)
         if self.eval_temperature is not None and not 0 <= self.eval_temperature < math.inf:
             raise InvalidConfigError(
                 f"eval_temperature must be a finite number >= 0, got {self.eval_temperature}"
@@ -210,6 +220,7 @@ class RunConfig:
             metrics_host=self.metrics_host,
             limits=EpisodeLimits(max_new_tokens=self.max_new_tokens),
             sampling=SamplingConfig(self.temperature, SamplingConfig.top_p, self.seed + 1 + i),
+            swap_kv=self.swap_kv,
             model=self.model,
             admission=AdmissionConfig(
                 max_staleness=-1 if self.sync else self.max_staleness, trainer_batch=self.rows

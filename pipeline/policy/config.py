@@ -210,6 +210,18 @@ PRESETS = {
 }
 
 
+#: what a weights swap does to the key-value rows of conversations in flight: ``keep`` them
+#: (computed with the older weights; the next tokens attend to them) or ``recompute`` them
+#: with the new weights before the next step (that step prefills every conversation in
+#: flight again)
+SWAP_KV = ("keep", "recompute")
+
+
+def check_swap_kv(value: object) -> None:
+    if value not in SWAP_KV:
+        raise InvalidConfigError(f"swap_kv must be one of {', '.join(SWAP_KV)}, not {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
     """How tokens are drawn. ``temperature`` 0 is greedy."""

@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from pipeline.errors import InvalidConfigError
-from pipeline.policy.config import SamplingConfig
+from pipeline.policy.config import SamplingConfig, check_swap_kv
 from pipeline.policy.model import KVCache, Transformer
 
 #: vocabulary entries per block of the two-level draw (:func:`_inverse_cdf`)
@@ -118,7 +118,10 @@ class DecodeEngine:
         chunk: int = 16,
         prefill_rows: int = 8,
         version: int = 0,
+        swap_kv: str = "keep",
     ) -> None:
+        check_swap_kv(swap_kv)
+        self.swap_kv = swap_kv
         self.cfg = model.cfg
         self.slots = slots
         self.chunk = chunk
@@ -246,10 +249,19 @@ class DecodeEngine:
         return int(self.cfg.max_len - self.length[slot] - queued)
 
     def swap(self, state: Any, version: int) -> None:
-        """Use new parameters from the next step on (same structure and shapes)."""
+        """Use new parameters from the next step on (same structure and shapes). With
+        ``swap_kv="recompute"`` every conversation's cached tokens are queued to be
+        prefilled again with them (tokens keep the version that sampled them)."""
         self.state = jax.device_put(state, self.device)
         self.version = version
-        self._current = [False] * self.slots
+        if self.swap_kv == "keep":
+            self._current = [False] * self.slots
+            return
+        for s in range(self.slots):
+            self._queued[s] = self._cached[s] + self._queued[s]
+            self._cached[s] = []
+            self.length[s] = 0
+        self._current = [True] * self.slots
 
     # ---- compute ------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 from connectors.base import with_latency
 from pipeline.errors import InvalidConfigError, check_range
-from pipeline.policy.config import ModelConfig, SamplingConfig
+from pipeline.policy.config import ModelConfig, SamplingConfig, check_swap_kv
 from pipeline.records.trajectory import MAX_ABS_REWARD
 
 
@@ -146,6 +146,9 @@ class ProducerConfig:
     limits: EpisodeLimits = field(default_factory=EpisodeLimits)
     #: how tokens are drawn
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    #: at a weights swap, keep the key-value rows of conversations in flight or recompute
+    #: them with the new weights (keep | recompute)
+    swap_kv: str = "keep"
     #: the policy: a preset's name (tiny, small, base), a Hugging Face checkpoint directory
     #: (Llama, Qwen2, Qwen3: rlstream model init makes one) or the sizes
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -171,6 +174,7 @@ class ProducerConfig:
         ):
             check_range(name, value, low)
         check_tools(self.tools)
+        check_swap_kv(self.swap_kv)
         if any(str(r) == "none" for r in self.checkpoint_roots):
             if len(self.checkpoint_roots) > 1:
                 raise InvalidConfigError(

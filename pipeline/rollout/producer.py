@@ -81,7 +81,7 @@ class RolloutProducer:
         if cfg.model.vocab_size < self.tokenizer.vocab_size:
             raise InvalidConfigError("model vocabulary is smaller than the tokenizer's")
         model = initial_model(cfg.model, cfg.model_seed)
-        self.engine = DecodeEngine(model, cfg.concurrency, cfg.sampling)
+        self.engine = DecodeEngine(model, cfg.concurrency, cfg.sampling, swap_kv=cfg.swap_kv)
         self.server = PolicyServer(
             self.engine,
             self.tokenizer.stop_tokens,

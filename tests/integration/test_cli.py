@@ -197,12 +197,16 @@ def test_bench_weights_sends_full_weights_and_adapters_to_a_running_producer(
         "2",
         "--interval",
         "1",
+        "--swap-kv",
+        "recompute",  # episodes in flight are prefilled again under each new version
         "--json",
     )
     assert result.returncode == 0, result.stderr
     out = last_json(result.stdout)
     f = out["figures"]
     assert f["applied"] == f["announcements"] == 4
+    assert f["swap_kv"] == "recompute"
+    assert 0 <= f["swap_stall_steps_p50"] <= f["swap_stall_steps_p99"]
     assert f["skipped"] == 0 and 0 <= f["applied_while_idle"] <= f["applied"]
     assert f["adapter_bytes"] < f["full_bytes"] <= f["base_bytes"] * 1.1
     assert f["adapters_first_propagation_s"] > 0 and f["adapters_propagation_p50_s"] > 0

@@ -351,3 +351,54 @@ def test_greedy_takes_the_first_of_tied_maxima_and_survives_a_nan_row() -> None:
     tokens, _ = sample_tokens(logits, jax.random.key(0), 0.0, 1.0)
     assert np.asarray(tokens)[:2].tolist() == [1, 0]
     assert 0 <= int(tokens[2]) < 4  # a token of the vocabulary, whatever it is
+
+
+def test_recompute_at_a_swap_decodes_as_a_fresh_engine_under_the_new_weights() -> None:
+    from flax import nnx
+
+    a, b = init_model(CFG, seed=0), init_model(CFG, seed=1)
+    prompts = {0: [257, 4, 5, 6], 1: [257, 9], 2: [257, 4, 5, 6]}  # 2 shares 0's prompt
+
+    def continue_after_swap(swap_kv: str) -> tuple[dict[int, list[int]], dict[int, list[float]]]:
+        engine = DecodeEngine(a, slots=3, sampling=SamplingConfig(0.0), chunk=4, swap_kv=swap_kv)
+        seqs = {s: list(p) for s, p in prompts.items()}
+        for s, p in prompts.items():
+            engine.append(s, p)
+        for _ in range(3):  # tokens of version 0, in the cache of the old weights
+            for s, (tok, _, v) in engine.step(list(seqs)).items():
+                assert v == 0
+                seqs[s].append(tok)
+        engine.append(1, [7, 8])  # an observation queued before the swap
+        seqs[1] += [7, 8]
+        engine.swap(nnx.split(b)[1], 1)
+        after: dict[int, list[int]] = {s: [] for s in seqs}
+        lps: dict[int, list[float]] = {s: [] for s in seqs}
+        for _ in range(4):
+            for s, (tok, lp, v) in engine.step(list(seqs)).items():
+                assert v == 1
+                after[s].append(tok)
+                lps[s].append(lp)
+        return after | {s + 10: seqs[s] for s in seqs}, lps
+
+    got, got_lp = continue_after_swap("recompute")
+    fresh = DecodeEngine(b, slots=3, sampling=SamplingConfig(0.0), chunk=4)
+    for s in range(3):
+        fresh.append(s, got[s + 10])
+    want: dict[int, list[int]] = {s: [] for s in range(3)}
+    want_lp: dict[int, list[float]] = {s: [] for s in range(3)}
+    for _ in range(4):
+        for s, (tok, lp, _) in fresh.step([0, 1, 2]).items():
+            want[s].append(tok)
+            want_lp[s].append(lp)
+    assert {s: got[s] for s in range(3)} == want
+    for s in range(3):
+        np.testing.assert_allclose(got_lp[s], want_lp[s], atol=1e-4)
+    _, kept_lp = continue_after_swap("keep")  # the old rows stay: other log-probabilities
+    assert any(
+        abs(x - y) > 1e-3 for s in range(3) for x, y in zip(kept_lp[s], want_lp[s], strict=True)
+    )
+
+
+def test_an_unknown_swap_kv_is_refused() -> None:
+    with pytest.raises(InvalidConfigError, match="swap_kv must be one of keep, recompute"):
+        DecodeEngine(init_model(CFG, seed=0), slots=1, swap_kv="refresh")
