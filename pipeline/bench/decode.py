@@ -120,6 +120,39 @@ def _ratios(got: dict[str, dict[str, Any]], phase: str) -> dict[str, float]:
     return out
 
 
+def _measure_engines(
+    title: str,
+    python: str,
+    spec: dict[str, Any],
+    prompts: list[list[int]],
+    llama_prompts: list[list[int]],
+    missing: dict[str, str],
+) -> dict[str, dict[str, Any]]:
+    """Each engine's figures for ``spec``; a peer that failed is noted in ``missing`` and
+    not tried again (rlstream's own engine failing ends the bench)."""
+    work = Path(spec["work"])
+    got: dict[str, dict[str, Any]] = {}
+    for engine in ("rlstream", *PEERS):
+        if engine in missing:
+            continue
+        mine = {**spec, "prompts": llama_prompts if engine == "llama_cpp" else prompts}
+        print(f"{title}: {engine} ...", flush=True)
+        result = _child(sys.executable if engine == "rlstream" else python, engine, mine, work)
+        if isinstance(result, str):
+            if engine == "rlstream":
+                raise RuntimeError(f"bench decode: rlstream's engine failed: {result}")
+            missing[engine] = result
+            print(f"  {engine}: not measured: {result}", flush=True)
+            continue
+        got[engine] = result
+        print(
+            f"  prefill {result['prefill_tokens_per_s']:,.0f} tok/s, "
+            f"decode {result['decode_tokens_per_s']:,.1f} tok/s",
+            flush=True,
+        )
+    return got
+
+
 def run(args: argparse.Namespace, cluster: Any) -> dict[str, Any]:
     python = args.peer_python or sys.executable
     threads = os.cpu_count() or 1
@@ -161,37 +194,19 @@ def run(args: argparse.Namespace, cluster: Any) -> dict[str, Any]:
             engine_work.mkdir()
             fractions = []
             for mode, temperature in MODES.items():
-                got: dict[str, dict[str, Any]] = {}
-                for engine in ("rlstream", *PEERS):
-                    spec = {
-                        "model": str(directory),
-                        "prompts": prompts if engine != "llama_cpp" else groups[:LLAMA_ROWS],
-                        "new": new,
-                        "temperature": temperature,
-                        "threads": threads,
-                        "work": str(engine_work),
-                    }
-                    print(f"{label} {mode}: {engine} ...", flush=True)
-                    result = _child(
-                        sys.executable if engine == "rlstream" else python,
-                        engine,
-                        spec,
-                        engine_work,
-                    )
-                    if isinstance(result, str):
-                        if engine == "rlstream":
-                            raise RuntimeError(f"bench decode: rlstream's engine failed: {result}")
-                        missing[engine] = result
-                        print(f"  {engine}: not measured: {result}", flush=True)
-                        continue
-                    got[engine] = result
+                spec = {
+                    "model": str(directory),
+                    "new": new,
+                    "temperature": temperature,
+                    "threads": threads,
+                    "work": str(engine_work),
+                }
+                got = _measure_engines(
+                    f"{label} {mode}", python, spec, prompts, groups[:LLAMA_ROWS], missing
+                )
+                for engine, result in got.items():
                     for k in ("prefill_tokens_per_s", "decode_tokens_per_s"):
                         figures[f"{label}.{mode}.{engine}.{k}"] = result[k]
-                    print(
-                        f"  prefill {result['prefill_tokens_per_s']:,.0f} tok/s, "
-                        f"decode {result['decode_tokens_per_s']:,.1f} tok/s",
-                        flush=True,
-                    )
                 for phase in ("decode", "prefill"):
                     for k, v in _ratios(got, phase).items():
                         ratios[f"{label}.{mode}.{phase}.{k}"] = v

@@ -112,6 +112,7 @@ def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
     moved = [seen[v] for v in range(n + 2, 2 * n + 1) if v in seen]
     if not full or not moved:
         raise RuntimeError(f"announcements did not reach the producer: {sorted(seen)}")
+    stall_p50, stall_p99 = (float(x) for x in np.percentile(list(stalls.values()), [50, 99]))
     full_p50 = float(np.percentile(full, 50))
     adapters_p50 = float(np.percentile(moved, 50))
     full_bytes, adapter_bytes = (
@@ -141,11 +142,11 @@ def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
             "full_save_s_p50": statistics.median(save_s["full"]),
             "adapters_save_s_p50": statistics.median(save_s["adapters"]),
             "swap_kv": args.swap_kv,
-            "swap_stall_ms_p50": 1000 * float(np.percentile(list(stalls.values()), 50)),
-            "swap_stall_ms_p99": 1000 * float(np.percentile(list(stalls.values()), 99)),
+            "swap_stall_ms_p50": 1000 * stall_p50,
+            "swap_stall_ms_p99": 1000 * stall_p99,
             "swap_stall_ms_max": 1000 * max(stalls.values()),
-            "swap_stall_steps_p50": float(np.percentile(list(stalls.values()), 50)) / median_step,
-            "swap_stall_steps_p99": float(np.percentile(list(stalls.values()), 99)) / median_step,
+            "swap_stall_steps_p50": stall_p50 / median_step,
+            "swap_stall_steps_p99": stall_p99 / median_step,
             "decode_step_ms_p50": 1000 * median_step,
         },
         "ratios": {
