@@ -12,12 +12,14 @@ code and whether they are retriable. Secrets are never logged or printed.
 from __future__ import annotations
 
 import logging
+import math
 import os
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import confluent_kafka
 from confluent_kafka import admin as kafka_admin
@@ -314,3 +316,46 @@ def kafka_errors(action: str) -> Iterator[None]:
         yield
     except confluent_kafka.KafkaException as e:
         raise wrap_error(e, action) from e
+
+
+class WaitBudget:
+    """Seconds a wind-down may spend waiting on the cluster, shared by all its waits (the
+    last commits, a consumer leaving its group, a producer's flush): a cluster that
+    stopped answering delays a stop once by the budget, not once per wait."""
+
+    def __init__(self, seconds: float) -> None:
+        self._end = time.monotonic() + seconds
+
+    def left(self, cap: float = math.inf) -> float:
+        """What is left of the budget, at most ``cap``."""
+        return max(0.0, min(cap, self._end - time.monotonic()))
+
+
+class _Closable(Protocol):
+    def close(self) -> Any: ...
+
+
+def close_within(client: _Closable, seconds: float, what: str) -> bool:
+    """``client.close()``, waiting at most ``seconds`` for it: a consumer leaving its
+    group waits on the group's coordinator with no time limit of its own, so a stop
+    would wait as long as the cluster is gone. Past ``seconds`` the close goes on in a
+    daemon thread (which the process's exit ends) and False is returned, logged."""
+    errors: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            client.close()
+        except (confluent_kafka.KafkaException, RuntimeError) as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=close, name=f"close {what}", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        log.warning(
+            "the %s did not close within %.0f s (the cluster does not answer)", what, seconds
+        )
+        return False
+    if errors:
+        log.info("the %s did not close cleanly: %s", what, errors[0])
+    return True

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
+from pipeline.kafka.client import WaitBudget
 from pipeline.records.codec import AvroCodec
 
 log = logging.getLogger(__name__)
@@ -178,16 +179,18 @@ class Tracer:
         self.sent += 1
         self.spans_sent += len(datum["spans"])
 
-    def close(self) -> None:
-        """Stop the flush thread and ship what is left."""
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the flush thread and ship what is left, waiting at most ``timeout_s`` in
+        all (spans the cluster has not acknowledged by then are lost)."""
+        budget = WaitBudget(timeout_s)
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(10)
+            self._thread.join(budget.left())
         try:
             self.flush()
         finally:
             if self._producer is not None:
-                self._producer.flush(10)
+                self._producer.flush(budget.left())
 
 
 class _Span(AbstractContextManager[None]):

@@ -130,6 +130,10 @@ class ProducerConfig:
     max_consecutive_failures: int = 200
     #: on SIGINT/SIGTERM, seconds in-flight episodes get to finish
     grace_s: float = 5.0
+    #: then, how long the records of finished episodes may wait to be acknowledged (s);
+    #: those still waiting are reported lost and the producer exits non-zero (a producer
+    #: that ends by its episode count waits the whole delivery timeout instead)
+    stop_timeout_s: float = 20.0
     #: texts that end a policy turn, besides <eos> and </call>
     stop_sequences: tuple[str, ...] = ()
     #: load the weights trainers announce when they lie under one of these folders (the
@@ -169,6 +173,7 @@ class ProducerConfig:
             ("latency_ms", self.latency_ms, 0),
             ("latency_sigma", self.latency_sigma, 0),
             ("grace_s", self.grace_s, 0),
+            ("stop_timeout_s", self.stop_timeout_s, 0),
             ("partitions", self.partitions, 1),
             ("max_consecutive_failures", self.max_consecutive_failures, 0),
         ):

@@ -240,10 +240,11 @@ class RolloutProducer:
         try:
             asyncio.run(self._main())
         finally:
+            stopped = self.stop_event.is_set()
             self.server.stop()
             if self.weights is not None:
                 self.weights.stop()
-            self.writer.flush()
+            self.writer.flush(self.cfg.stop_timeout_s if stopped else None)
         if self.failure is not None:
             raise self.failure
         return self.stats

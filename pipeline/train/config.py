@@ -285,6 +285,10 @@ class TrainerConfig:
     #: how long a weights announcement may wait for the broker's acknowledgement before
     #: training goes on (the record stays queued and is delivered later)
     announce_timeout_s: float = 5.0
+    #: at a stop, how long the last offset commits, the consumer leaving its group and
+    #: the last announcement may wait on the cluster, together (s): a cluster that is gone
+    #: delays a stop this long once (what is not committed is in the checkpoint)
+    stop_timeout_s: float = 20.0
     #: a record value larger than this goes to the dead-letter topic undecoded
     #: ("oversized"), so no single record can make the trainer hold more than this
     max_record_bytes: int = MAX_MESSAGE_BYTES
@@ -343,6 +347,7 @@ class TrainerConfig:
             ("max_buffered", self.max_buffered, 1, False),
             ("step_delay_s", self.step_delay_s, 0, False),
             ("announce_timeout_s", self.announce_timeout_s, 0, True),
+            ("stop_timeout_s", self.stop_timeout_s, 0, True),
             ("max_record_bytes", self.max_record_bytes, 1, False),
             ("max_abs_reward", self.max_abs_reward, 0, True),
             ("max_nonfinite_steps", self.max_nonfinite_steps, 1, False),

@@ -38,7 +38,7 @@ from pipeline.errors import (
     RegistryUnavailableError,
     TrainingDivergedError,
 )
-from pipeline.kafka.client import KafkaConfig
+from pipeline.kafka.client import KafkaConfig, WaitBudget, close_within
 from pipeline.kafka.message import Record
 from pipeline.kafka.topics import ROLLOUTS, env_of
 from pipeline.kafka.transport import Coordinates
@@ -327,10 +327,11 @@ class Trainer(PartitionReading):
         finally:
             if self.watchdog is not None:
                 self.watchdog.close()
-            self._finish_commits()
-            self.consumer.close()
+            budget = WaitBudget(self.cfg.stop_timeout_s)
+            self._finish_commits(budget.left(self.cfg.stop_timeout_s / 2))
+            close_within(self.consumer, budget.left(), "trainer's consumer")
             if self.producer is not None:
-                self.producer.flush(10)
+                self.producer.flush(budget.left())
             self.ckpt.wait_until_finished()
         return step
 

@@ -153,6 +153,51 @@ def test_the_single_broker_restarted_mid_run_loses_nothing_and_everyone_recovers
         broker.stop()
 
 
+def test_a_pipeline_stopped_while_its_cluster_is_gone_waits_on_it_once(tmp_path: Path) -> None:
+    """SIGTERM to a trainer and a producer whose only broker was killed. Each waits on
+    the gone cluster once, for its stop timeout (the trainer: its last commits, leaving
+    its group and its last announcement together; the producer: its records in flight),
+    not once per wait: the trainer took 50 s, and a producer with records in flight the
+    whole delivery timeout, five minutes, longer than a run gives its children before it
+    kills them (60 s). The producer says how many records it gave up and exits
+    non-zero; the trainer's checkpoint holds what it could not commit."""
+    broker = _own_broker(tmp_path)
+    namespace = f"gone{uuid.uuid4().hex[:8]}"
+    ensure_topics(
+        KafkaConfig(bootstrap=broker.bootstrap), namespace_topics(namespace, ["guess"], 2)
+    )
+    p = Pipeline(broker.bootstrap, namespace, tmp_path / "run")
+    try:
+        trainer = p.trainer("--max-staleness", "4", "--stop-timeout-s", "5")
+        producer = p.producer(  # no admission: it generates on while the cluster is gone
+            "producer-0", "--concurrency", "16", "--max-staleness", "-1", "--stop-timeout-s", "5"
+        )
+        wait_for(lambda: p.last_step() >= 2, 300, f"2 train steps\n{p.log('trainer')}")
+        state = broker.state()
+        assert state is not None
+        for node in state["nodes"]:
+            os.kill(node["pid"], signal.SIGKILL)
+        wait_for(
+            lambda: (lambda s: s["sent"] > s["delivered"])(p.status("producer-0")[-1]),
+            120,
+            f"records the gone cluster cannot acknowledge\n{p.log('producer-0')}",
+        )
+        stopped_at = time.monotonic()
+        trainer.terminate()
+        producer.terminate()
+        took = {}
+        for name, proc in (("trainer", trainer), ("producer-0", producer)):
+            proc.wait(120)
+            took[name] = time.monotonic() - stopped_at
+        print(f"stopped after the cluster was gone: {took}")
+        assert took["trainer"] < 60 and trainer.returncode == 0, p.log("trainer")
+        assert took["producer-0"] < 60 and producer.returncode != 0, p.log("producer-0")
+        assert "still unacknowledged after 5s" in p.log("producer-0")
+    finally:
+        p.stop()
+        broker.stop()
+
+
 def test_a_killed_broker_of_three_loses_no_acknowledged_record_and_training_goes_on(
     tmp_path: Path,
 ) -> None:
@@ -453,8 +498,10 @@ def test_groups_that_lose_a_member_are_released_and_the_trainer_stays_busy(
     assert reasons["incomplete_group"] == 0, reasons
     # a group held until its timeout (60 s here) would leave one step waiting that long:
     # released at once, no step waits more than a fraction of it. (How busy the trainer
-    # is besides depends on how fast the producer beside it runs on this machine: it is
-    # printed, and bounded loosely, not asserted tightly.)
+    # is besides depends on how fast the producer beside it runs on this machine, and on
+    # how many of its groups the too-long members spoil: 0.37 to 1.0 on two loaded
+    # cores. It is printed and bounded loosely: a trainer that waited out held groups
+    # would be busy a few percent of the time.)
     idle = [b["idle_s"] - a["idle_s"] for a, b in itertools.pairwise(steps)]
     busy = busy_share(steps, first=1)
     print(
@@ -462,4 +509,4 @@ def test_groups_that_lose_a_member_are_released_and_the_trainer_stays_busy(
         f"settled {dict(reasons)}"
     )
     assert max(idle) < 15, idle
-    assert busy >= 0.5, steps[-1]
+    assert busy >= 0.2, steps[-1]

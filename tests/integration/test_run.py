@@ -104,11 +104,27 @@ def processes_of(run_dir: Path) -> list[int]:
     return found
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+def wait_for(
+    predicate: Callable[[], bool],
+    timeout: float,
+    what: str,
+    detail: Callable[[], str] = lambda: "",
+) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what} {detail()}"
         time.sleep(0.5)
+
+
+def commands_of(pids: list[int]) -> str:
+    """The command lines of ``pids``, for a failure's message."""
+    out = []
+    for pid in pids:
+        try:
+            out.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:
+            pass
+    return "; ".join(out)
 
 
 def scrape_while(
@@ -424,7 +440,12 @@ def test_children_stop_when_the_run_itself_is_killed(bootstrap: str, tmp_path: P
     finally:
         proc.kill()
         proc.communicate(timeout=30)
-    wait_for(lambda: processes_of(run_dir) == [], 90, "the children to stop")
+    wait_for(
+        lambda: processes_of(run_dir) == [],
+        90,
+        "the children to stop",
+        lambda: commands_of(processes_of(run_dir)),
+    )
 
 
 def test_a_killed_run_leaves_not_even_its_own_broker(tmp_path: Path) -> None:
@@ -450,7 +471,12 @@ def test_a_killed_run_leaves_not_even_its_own_broker(tmp_path: Path) -> None:
     finally:
         proc.kill()
         proc.wait(30)
-    wait_for(lambda: processes_of(tmp_path) == [], 90, "the broker and the children to stop")
+    wait_for(
+        lambda: processes_of(tmp_path) == [],
+        90,
+        "the broker and the children to stop",
+        lambda: commands_of(processes_of(tmp_path)),
+    )
 
 
 def test_the_tool_arithmetic_recipe_runs_every_stage(bootstrap: str, tmp_path: Path) -> None:
