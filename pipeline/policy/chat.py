@@ -171,6 +171,7 @@ class ChatTokenizer:
                 *slots([], "user"),
                 *slots(history, "tool"),
                 *slots(history, "user"),
+                *slots(user, "assistant"),
             ],
         )
         opened, prompted, whole = rendered[:3]
@@ -199,6 +200,15 @@ class ChatTokenizer:
             "tool": _Piece.read(rendered[5], rendered[6], prefix, "a tool's result"),
             "user": _Piece.read(rendered[7], rendered[8], prefix, "an observation"),
         }
+        # a policy's turn as history: the header, its text as the template writes it
+        # (trimmed or not), the end-of-turn token; a template that writes a reply in
+        # another way is not refused for it (episodes never render a reply): its turns
+        # are then taken as written, their text tokenized again
+        try:
+            reply = _Piece.read(rendered[9], rendered[10], opened, "the policy's reply")
+        except InvalidConfigError:
+            reply = _Piece(self._header, "", False)
+        self._reply = reply._replace(after=end)
 
     @property
     def assistant_header(self) -> list[int]:
@@ -233,6 +243,23 @@ class ChatTokenizer:
         an observation, given to the template as ``user``) after the policy's turn,
         including what the template writes between that turn's end token and it."""
         return self.encode(self._turns["tool" if role == "tool" else "user"].text(text))
+
+    def as_history(self, sampled: Sequence[int]) -> list[int]:
+        """The tokens the template writes for a policy turn whose sampled tokens are
+        ``sampled`` when it renders the conversation at once: the generation prompt, the
+        text (trimmed where the template trims), its own end-of-turn token. They differ
+        from the header and ``sampled`` where the policy stopped with another stop token
+        or not at all, wrote text the template trims, or sampled tokens that are not the
+        tokenization of their own text."""
+        body = list(sampled)
+        if body and body[-1] in self.stop_tokens:
+            body.pop()
+        return self.encode(self._reply.text(self.decode(body, specials=True)))
+
+    def retokenized(self, ids: Sequence[int]) -> list[int]:
+        """``ids`` as the tokenization of their own text (special tokens' texts read as
+        those tokens)."""
+        return self.encode(self.decode(ids, specials=True))
 
     def parse_call(self, tokens: Sequence[int], stopped: int | None) -> tuple[str, str] | None:
         """``(tool name, arguments)`` when the policy's turn is a tool call in the

@@ -52,6 +52,10 @@ class ChatFormat(Protocol):
 
     def decode(self, ids: Sequence[int], *, specials: bool = False) -> str: ...
 
+    def as_history(self, sampled: Sequence[int]) -> list[int]: ...
+
+    def retokenized(self, ids: Sequence[int]) -> list[int]: ...
+
 
 def tokenizer_for(model_path: str) -> ChatFormat:
     """The tokenizer of a policy: its checkpoint directory's own, or the built-in bytes."""
@@ -123,3 +127,22 @@ class ByteTokenizer:
         """Tokens that open a turn of ``role`` and hold ``text`` (for non-policy turns;
         the policy's own turn is opened by :meth:`turn` with empty text and then sampled)."""
         return [self.special[f"<{role}>"], *self.encode(text)]
+
+    def as_history(self, sampled: Sequence[int]) -> list[int]:
+        """The policy's turn (its header and ``sampled``) as the conversation's text
+        encodes it: bytes that are not UTF-8 become U+FFFD; special tokens stay."""
+        out = list(self.assistant_header)
+        run: list[int] = []
+        for i in [*sampled, -1]:
+            if 0 <= i < 256:
+                run.append(i)
+                continue
+            out += self.encode(bytes(run).decode("utf-8", errors="replace"))
+            run = []
+            if i >= 0:
+                out.append(i)
+        return out
+
+    def retokenized(self, ids: Sequence[int]) -> list[int]:
+        """``ids`` as their text encodes them: bytes never merge, so the same."""
+        return list(ids)

@@ -34,9 +34,11 @@ from pipeline.policy.hf_weights import initial_model
 from pipeline.policy.sampler import DecodeEngine
 from pipeline.policy.server import PolicyServer
 from pipeline.policy.tokenizer import tokenizer_for
+from pipeline.records.trajectory import Trajectory
 from pipeline.rollout.admission import JOIN_ROUNDS, Heartbeats, LagMonitor, decide
 from pipeline.rollout.config import ProducerConfig
 from pipeline.rollout.episode import GroupSlot, failed_trajectory, run_episode
+from pipeline.rollout.exactness import Exactness
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +91,7 @@ class RolloutProducer:
         )
         self.writer = TrajectoryWriter(kafka, cfg.namespace)
         self.stats = ProducerStats()
+        self.exactness = Exactness()
         self.stop_event = threading.Event()
         self.on_progress = on_progress
         self.weights: WeightsSubscriber | None = None
@@ -388,6 +391,7 @@ class RolloutProducer:
                 )
             finally:
                 free.append(slot)
+            self._check_exactness(t)
             try:
                 self.writer.write(t)
                 status = t.status
@@ -400,6 +404,21 @@ class RolloutProducer:
             self._failed(member, f"{type(e).__name__}: {e}")
         self.stats.finished[status] += 1
         self._note_outcome(status)
+
+    def _check_exactness(self, t: Trajectory) -> None:
+        """Count whether the record's tokens are those of its conversation rendered at
+        once (:mod:`pipeline.rollout.exactness`); the first divergent context is logged."""
+        try:
+            diverges = self.exactness.add(self.tokenizer, t.tokens, t.loss_mask, t.turns)
+        except Exception as e:  # a check never costs an episode
+            log.warning("record %s not checked for exactness: %r", t.trajectory_id, e)
+            return
+        if diverges and self.exactness.divergent_context == 1:
+            log.warning(
+                "record %s: its context tokens are not those of its text rendered at once "
+                "(counted as divergent_context in the status)",
+                t.trajectory_id,
+            )
 
     def _failed(self, member: GroupSlot, error: str) -> None:
         self.stats.failed += 1

@@ -34,6 +34,9 @@ def status_line(producer: Any) -> dict[str, Any]:
         "peers_in_flight": st.peers_in_flight,
         "behind": st.behind,
         "shared_prompt_tokens": producer.server.engine.shared_prompt_tokens,
+        "exactness_checked": producer.exactness.checked,
+        "rewritten_turns": producer.exactness.rewritten_turns,
+        "divergent_context": producer.exactness.divergent_context,
         "connectors": connector_stats.snapshot(),
     }
 

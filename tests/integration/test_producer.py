@@ -28,6 +28,7 @@ from pipeline.policy.tokenizer import TOKENIZER_ID
 from pipeline.records.codec import TrajectoryHeaders
 from pipeline.rollout.config import AdmissionConfig, EpisodeLimits, ProducerConfig
 from pipeline.rollout.producer import RolloutProducer
+from pipeline.rollout.status import status_line
 
 pytestmark = pytest.mark.integration
 
@@ -58,8 +59,11 @@ def read_all(kafka: KafkaConfig, namespace: str, count: int) -> list[Decoded]:
 
 def test_records_arrive_decodable_with_keys_and_headers(kafka: KafkaConfig, namespace: str) -> None:
     ensure_topics(kafka, namespace_topics(namespace, ["guess"], 2))
-    stats = RolloutProducer(producer_config(namespace, max_episodes=16), kafka).run()
+    producer = RolloutProducer(producer_config(namespace, max_episodes=16), kafka)
+    stats = producer.run()
     assert sum(stats.finished.values()) == 16
+    status = status_line(producer)  # every record checked against its text at once
+    assert status["exactness_checked"] == 16 and status["divergent_context"] == 0
     consumer = kafka.consumer(f"{namespace}.raw")
     consumer.subscribe([rollout_topic(namespace, "guess")])
     msgs = []

@@ -534,6 +534,10 @@ def test_the_tool_arithmetic_recipe_runs_every_stage(bootstrap: str, tmp_path: P
     assert all(0 <= m["tool_error_rate"]["calc"] <= 1 for m in metrics)
     trainer = json.loads((out / "configs" / "trainer.json").read_text())
     assert trainer["model"]["path"] == str(warm / "sft" / "model")
+    # every record the Qwen3-format producer wrote was checked: its context pieces are the
+    # conversation rendered at once (policy turns the template rewrites are counted apart)
+    status = json.loads((out / "producers" / "producer-0.jsonl").read_text().splitlines()[-1])
+    assert status["exactness_checked"] >= 1 and status["divergent_context"] == 0, status
     # the run's own configuration keeps the warm start, so it runs again as it was
     assert json.loads((out / "config.json").read_text())["warm_start"]["demos"] == 24
     assert "warm start" in (out / "report.md").read_text()
