@@ -30,7 +30,6 @@ from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from pipeline.kafka.client import WaitBudget
 from pipeline.records.codec import AvroCodec
 
 log = logging.getLogger(__name__)
@@ -182,15 +181,15 @@ class Tracer:
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the flush thread and ship what is left, waiting at most ``timeout_s`` in
         all (spans the cluster has not acknowledged by then are lost)."""
-        budget = WaitBudget(timeout_s)
+        end = time.monotonic() + timeout_s
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(budget.left())
+            self._thread.join(max(0.0, end - time.monotonic()))
         try:
             self.flush()
         finally:
             if self._producer is not None:
-                self._producer.flush(budget.left())
+                self._producer.flush(max(0.0, end - time.monotonic()))
 
 
 class _Span(AbstractContextManager[None]):
