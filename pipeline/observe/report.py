@@ -201,7 +201,12 @@ def algorithm_text(grpo: Any, lora: Any = None) -> str:
     return text
 
 
-def headline(what: str, figures: dict[str, Any], producers_paused: float | None) -> list[str]:
+def headline(
+    what: str,
+    figures: dict[str, Any],
+    producers_paused: float | None,
+    causes: dict[str, float] | None = None,
+) -> list[str]:
     """Three lines: what was trained, how far it got against random answers, where the
     time went."""
     f = figures
@@ -234,6 +239,9 @@ def headline(what: str, figures: dict[str, Any], producers_paused: float | None)
         time_line += (
             f"; producers were paused by admission control {producers_paused:.0%} of theirs"
         )
+        held = [f"{CAUSE_WORDS[c]} {v:.0%}" for c, v in (causes or {}).items() if v >= 0.005]
+        if held:
+            time_line += f" ({', '.join(held)})"
     time_line += (
         f"; {f.get('trajectories_dropped_stale', 0)} trajectories were dropped as too stale."
     )
@@ -274,7 +282,7 @@ def write_report(run_dir: Path, report: Report) -> Path:
     lines = [
         f"# rlstream run `{report.title}`",
         "",
-        *headline(report.what, report.figures, paused_share(producers)),
+        *headline(report.what, report.figures, paused_share(producers), paused_causes(producers)),
         "",
         "## Figures",
         "",
@@ -349,6 +357,36 @@ def paused_share(producers: dict[str, list[dict[str, Any]]]) -> float | None:
         return paused / running
     rows = [r for lines in producers.values() for r in lines]
     return sum(1 for r in rows if r.get("paused")) / len(rows) if rows else None
+
+
+#: what held producers back, in words (the causes of :mod:`pipeline.rollout.admission`)
+CAUSE_WORDS = {
+    "untrained": "by records the trainer had not read",
+    "in_flight": "by episodes in flight",
+    "weights_behind": "by weights behind the trainer's",
+    "joining": "joining",
+}
+
+
+def paused_causes(producers: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
+    """The share of the producers' running time paused by each cause, from each
+    producer's last status line (``paused_by`` seconds over ``running_s``); lines without
+    them, or with values that are not finite seconds within the running time, are
+    skipped."""
+    paused = dict.fromkeys(CAUSE_WORDS, 0.0)
+    running = 0.0
+    for rows in producers.values():
+        try:
+            r = float(rows[-1]["running_s"])
+            by = {c: float(rows[-1]["paused_by"].get(c, 0.0)) for c in CAUSE_WORDS}
+        except (IndexError, KeyError, TypeError, ValueError, AttributeError):
+            continue
+        if not (0 < r < float("inf")) or not all(0 <= v <= r for v in by.values()):
+            continue
+        running += r
+        for c, v in by.items():
+            paused[c] += v
+    return {c: v / running for c, v in paused.items()} if running > 0 else {}
 
 
 def producer_table(producers: dict[str, list[dict[str, Any]]]) -> list[str]:

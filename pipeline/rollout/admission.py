@@ -66,6 +66,16 @@ class Decision:
     outstanding: int
     share: int
     peers: int
+    #: why a group may not start (one of :data:`CAUSES`); empty when it may
+    cause: str = ""
+
+
+#: why admission holds a producer back: its weights are ``max_staleness`` versions behind
+#: the trainer's (restoring, or refused); the budget is full of records the trainer has
+#: not read (``untrained``: the trainer is the bottleneck); episodes in flight, this
+#: producer's or its peers', hold the room left (``in_flight``: slow episodes are); a
+#: producer that just started raises its episodes in flight a group at a time (``joining``)
+CAUSES = ("weights_behind", "untrained", "in_flight", "joining")
 
 
 def decide(
@@ -87,9 +97,9 @@ def decide(
     share = max(group_size, math.ceil(budget / n))
     outstanding = lag + unpolled + own_in_flight + sum(peers.values())
     if announced is not None and own_in_flight > announced:
-        return Decision(False, outstanding, share, len(peers))
+        return Decision(False, outstanding, share, len(peers), "joining")
     if budget <= 0:  # the trainer is max_staleness versions ahead of our weights already
-        return Decision(False, outstanding, 0, len(peers))
+        return Decision(False, outstanding, 0, len(peers), "weights_behind")
     if outstanding == 0:  # one group may always start when nothing is outstanding
         return Decision(True, 0, share, len(peers))
     # Room for episodes in flight, everyone's; each producer holds at most its part of it
@@ -98,7 +108,12 @@ def decide(
     free = budget - lag - unpolled
     allowance = free // n if own_in_flight else max(group_size, free // n)
     fits = outstanding + group_size <= budget and own_in_flight + group_size <= allowance
-    return Decision(fits, outstanding, share, len(peers))
+    if fits:
+        return Decision(True, outstanding, share, len(peers))
+    # held back by the records the trainer has not read when they alone leave no room
+    # for a group; otherwise by the episodes in flight
+    cause = "untrained" if free < group_size else "in_flight"
+    return Decision(False, outstanding, share, len(peers), cause)
 
 
 class LagMonitor:

@@ -35,7 +35,7 @@ from pipeline.policy.sampler import DecodeEngine
 from pipeline.policy.server import PolicyServer
 from pipeline.policy.tokenizer import tokenizer_for
 from pipeline.records.trajectory import Trajectory
-from pipeline.rollout.admission import JOIN_ROUNDS, Heartbeats, LagMonitor, decide
+from pipeline.rollout.admission import CAUSES, JOIN_ROUNDS, Heartbeats, LagMonitor, decide
 from pipeline.rollout.config import ProducerConfig
 from pipeline.rollout.episode import GroupSlot, failed_trajectory, run_episode
 from pipeline.rollout.exactness import Exactness
@@ -54,6 +54,11 @@ class ProducerStats:
     paused_s: float = 0.0
     #: when the pause under way began (monotonic seconds)
     paused_since: float = 0.0
+    #: seconds paused by cause (:data:`pipeline.rollout.admission.CAUSES`), up to the
+    #: last change of cause, and the cause of the pause under way since when
+    paused_by: dict[str, float] = field(default_factory=dict)
+    cause: str = ""
+    cause_since: float = 0.0
     lag: int = 0
     #: synchronous mode: waiting for the trainer's next version
     waiting: bool = False
@@ -92,6 +97,8 @@ class RolloutProducer:
         self.writer = TrajectoryWriter(kafka, cfg.namespace)
         self.stats = ProducerStats()
         self.exactness = Exactness()
+        #: when each episode in flight began (monotonic seconds)
+        self._begun: dict[asyncio.Task[None], float] = {}
         self.stop_event = threading.Event()
         self.on_progress = on_progress
         self.weights: WeightsSubscriber | None = None
@@ -270,6 +277,8 @@ class RolloutProducer:
                 task = asyncio.create_task(self._episode(members.pop(0), slot, free))
                 running.add(task)
                 task.add_done_callback(running.discard)
+                self._begun[task] = time.monotonic()
+                task.add_done_callback(self._begun.pop)
                 self.stats.started += 1
                 continue
             await asyncio.sleep(0.01)
@@ -321,10 +330,15 @@ class RolloutProducer:
                 st.peers_in_flight,
                 d.share,
             )
+        now = time.monotonic()
         if paused and not st.paused:
-            st.paused_since = time.monotonic()
+            st.paused_since = now
         elif st.paused and not paused:
-            st.paused_s += time.monotonic() - st.paused_since
+            st.paused_s += now - st.paused_since
+        if d.cause != st.cause:
+            if st.cause:
+                st.paused_by[st.cause] = st.paused_by.get(st.cause, 0.0) + now - st.cause_since
+            st.cause, st.cause_since = d.cause, now
         st.paused = paused
         return not paused
 
@@ -333,6 +347,22 @@ class RolloutProducer:
         clock, a pause under way included)."""
         st = self.stats
         return st.paused_s + (time.monotonic() - st.paused_since if st.paused else 0.0)
+
+    def paused_by(self) -> dict[str, float]:
+        """:meth:`paused_seconds` by cause (see :data:`pipeline.rollout.admission.CAUSES`)."""
+        st = self.stats
+        out = dict(st.paused_by)
+        if st.cause:
+            out[st.cause] = out.get(st.cause, 0.0) + time.monotonic() - st.cause_since
+        return {cause: round(out.get(cause, 0.0), 3) for cause in CAUSES}
+
+    def in_flight_ages(self) -> dict[str, float]:
+        """How long the episodes in flight have run (s): median and oldest."""
+        now = time.monotonic()
+        ages = sorted(now - t for t in list(self._begun.values()))
+        if not ages:
+            return {"p50": 0.0, "max": 0.0}
+        return {"p50": round(ages[len(ages) // 2], 3), "max": round(ages[-1], 3)}
 
     def running_seconds(self) -> float:
         return time.monotonic() - self._started

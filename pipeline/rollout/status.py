@@ -22,6 +22,8 @@ def status_line(producer: Any) -> dict[str, Any]:
         "in_flight": st.started - done - st.dropped,
         "paused": st.paused,
         "paused_s": round(producer.paused_seconds(), 3),
+        "paused_by": producer.paused_by(),
+        "in_flight_age_s": producer.in_flight_ages(),
         "running_s": round(producer.running_seconds(), 3),
         "waiting": st.waiting,
         "lag": st.lag,

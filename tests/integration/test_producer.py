@@ -64,6 +64,10 @@ def test_records_arrive_decodable_with_keys_and_headers(kafka: KafkaConfig, name
     assert sum(stats.finished.values()) == 16
     status = status_line(producer)  # every record checked against its text at once
     assert status["exactness_checked"] == 16 and status["divergent_context"] == 0
+    # the time admission held it back, by cause, within its running time; nothing in flight
+    assert set(status["paused_by"]) == {"weights_behind", "untrained", "in_flight", "joining"}
+    assert 0 <= sum(status["paused_by"].values()) <= status["running_s"]
+    assert status["in_flight_age_s"] == {"p50": 0.0, "max": 0.0}
     consumer = kafka.consumer(f"{namespace}.raw")
     consumer.subscribe([rollout_topic(namespace, "guess")])
     msgs = []

@@ -446,6 +446,16 @@ def test_children_stop_when_the_run_itself_is_killed(bootstrap: str, tmp_path: P
         "the children to stop",
         lambda: commands_of(processes_of(run_dir)),
     )
+    # its status said how long the episodes in flight had run
+    rows = []
+    for line in (run_dir / "producers" / "producer-0.jsonl").read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:  # (the line being written when it was stopped)
+            pass
+    busy = [r["in_flight_age_s"] for r in rows if r["in_flight"] > 0]
+    assert busy and all(0 <= a["p50"] <= a["max"] for a in busy), busy
+    assert any(a["max"] > 0 for a in busy), busy
 
 
 def test_a_killed_run_leaves_not_even_its_own_broker(tmp_path: Path) -> None:

@@ -102,3 +102,29 @@ def test_producers_starting_together_overshoot_the_budget_by_one_group_at_most()
     # without it, the first producer takes the whole budget before the second is heard
     # of, and the second reads a heartbeat from before that: 24 (seen on a loaded machine)
     assert _start_together(joining=False, late_by=0) == [16, 8]
+
+
+def test_a_decision_names_what_holds_the_producer_back() -> None:
+    """Records the trainer has not read fill the budget (``untrained``), or episodes in
+    flight hold what they leave (``in_flight``), or the weights are too far behind
+    (``weights_behind``), or the producer is still joining; an admitted group has none."""
+
+    def cause(lag: int, unpolled: int, own_in_flight: int) -> str:
+        return decide(
+            budget=64,
+            group_size=8,
+            lag=lag,
+            unpolled=unpolled,
+            own_in_flight=own_in_flight,
+            peers={},
+        ).cause
+
+    assert cause(lag=40, unpolled=8, own_in_flight=8) == ""
+    assert cause(lag=50, unpolled=8, own_in_flight=0) == "untrained"
+    assert cause(lag=8, unpolled=0, own_in_flight=56) == "in_flight"
+    d = decide(budget=0, group_size=8, lag=0, unpolled=0, own_in_flight=0, peers={})
+    assert not d.admit and d.cause == "weights_behind"
+    d = decide(
+        budget=64, group_size=8, lag=0, unpolled=0, own_in_flight=16, peers={"b": 0}, announced=8
+    )
+    assert not d.admit and d.cause == "joining"

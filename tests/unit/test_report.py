@@ -12,8 +12,10 @@ from pipeline.launch.config import RunConfig
 from pipeline.observe.report import (
     busy_series,
     busy_share,
+    headline,
     last_json,
     ledger_summary,
+    paused_causes,
     paused_share,
     trainer_metrics,
 )
@@ -211,3 +213,25 @@ def test_the_paused_share_is_time_weighted_by_each_producer_s_clock() -> None:
         broken = {**timed, "producer-2": [{"paused": True, "paused_s": bad, "running_s": 60.0}]}
         assert paused_share(broken) == 0.25
     assert paused_share({}) is None
+
+
+def test_the_paused_time_is_split_by_its_cause() -> None:
+    """Each producer's last status line says how long each cause held it back: the
+    shares are seconds over the producers' running time together, and the headline names
+    them; hostile lines (not a mapping, NaN, negative, longer than running) are skipped."""
+    producers = {
+        "producer-0": [
+            {"running_s": 60.0, "paused_by": {"untrained": 30.0, "in_flight": 6.0}},
+        ],
+        "producer-1": [
+            {"running_s": 60.0, "paused_by": {"weights_behind": 12.0, "joining": 0.0}},
+        ],
+    }
+    causes = paused_causes(producers)
+    assert causes == {"untrained": 0.25, "in_flight": 0.05, "weights_behind": 0.1, "joining": 0}
+    line = headline("x", {"wall_s": 1.0}, 0.4, causes)[-1]
+    assert "(by records the trainer had not read 25%, by episodes in flight 5%, by " in line
+    for bad in ("x", None, {"untrained": float("nan")}, {"in_flight": -1}, {"untrained": 61}):
+        broken = {**producers, "producer-2": [{"running_s": 60.0, "paused_by": bad}]}
+        assert paused_causes(broken) == causes
+    assert paused_causes({"p": [{"paused": True}]}) == {}
