@@ -292,7 +292,7 @@ class Trainer(PartitionReading):
                 # block on Kafka only when there is no batch to train
                 starving = len(self.ready) < self.quota
                 with span("consume", "kafka"):
-                    msgs = self.consumer.consume(256, 0.2 if starving else 0)
+                    msgs = self._read(starving)
                 t1 = time.perf_counter()
                 msgs = self.held.due() + msgs  # held records first: they were read first
                 if msgs:
@@ -334,6 +334,19 @@ class Trainer(PartitionReading):
                 self.producer.flush(budget.left())
             self.ckpt.wait_until_finished()
         return step
+
+    def _read(self, starving: bool) -> list[Any]:
+        """The records that have arrived, up to 256; when ``starving`` and none has,
+        waiting up to 0.2 s for the first. (``consume(n, timeout)`` returns once it holds
+        ``n`` records or the timeout passed: asking for 256 at once waited the whole
+        0.2 s whenever fewer had arrived, once a step, 16% of the trainer's time in the
+        default run.)"""
+        msgs = list(self.consumer.consume(256, 0))
+        if not msgs and starving:
+            msgs = list(self.consumer.consume(1, 0.2))
+            if msgs:
+                msgs += self.consumer.consume(255, 0)
+        return msgs
 
     def _next_action(self, step: int) -> str:
         """What every member does next, agreed (one member alone decides by itself):
