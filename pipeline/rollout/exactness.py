@@ -57,7 +57,7 @@ def check(
     tokenize otherwise than their text at once)`` for one record. Each policy turn is
     replaced by the template's writing of it before the context is checked, so that the
     one count does not spill into the other."""
-    ids = [int(t) for t in tokens]
+    ids = np.asarray(tokens).tolist()
     rewritten = 0
     at_once: list[int] = []
     for turn in turns:

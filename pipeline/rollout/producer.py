@@ -49,14 +49,11 @@ class ProducerStats:
     finished: Counter[str] = field(default_factory=Counter)
     dropped: int = 0
     paused: bool = False
-    #: seconds admission control held new episodes back, up to the last resume (see
-    #: :meth:`RolloutProducer.paused_seconds` for a pause under way)
-    paused_s: float = 0.0
-    #: when the pause under way began (monotonic seconds)
-    paused_since: float = 0.0
-    #: seconds paused by cause (:data:`pipeline.rollout.admission.CAUSES`), up to the
-    #: last change of cause, and the cause of the pause under way since when
+    #: seconds admission control held new episodes back, by cause
+    #: (:data:`pipeline.rollout.admission.CAUSES`), up to the last change of cause (see
+    #: :meth:`RolloutProducer.paused_by` for the pause under way)
     paused_by: dict[str, float] = field(default_factory=dict)
+    #: the cause of the pause under way ("" when none), and since when (monotonic s)
     cause: str = ""
     cause_since: float = 0.0
     lag: int = 0
@@ -331,10 +328,6 @@ class RolloutProducer:
                 d.share,
             )
         now = time.monotonic()
-        if paused and not st.paused:
-            st.paused_since = now
-        elif st.paused and not paused:
-            st.paused_s += now - st.paused_since
         if d.cause != st.cause:
             if st.cause:
                 st.paused_by[st.cause] = st.paused_by.get(st.cause, 0.0) + now - st.cause_since
@@ -345,16 +338,19 @@ class RolloutProducer:
     def paused_seconds(self) -> float:
         """Seconds admission control has held new episodes back so far (this producer's
         clock, a pause under way included)."""
-        st = self.stats
-        return st.paused_s + (time.monotonic() - st.paused_since if st.paused else 0.0)
+        return sum(self._paused_by().values())
 
     def paused_by(self) -> dict[str, float]:
-        """:meth:`paused_seconds` by cause (see :data:`pipeline.rollout.admission.CAUSES`)."""
+        """:meth:`paused_seconds` by cause (see :data:`pipeline.rollout.admission.CAUSES`),
+        rounded to the millisecond."""
+        return {cause: round(s, 3) for cause, s in self._paused_by().items()}
+
+    def _paused_by(self) -> dict[str, float]:
         st = self.stats
-        out = dict(st.paused_by)
+        out = {cause: st.paused_by.get(cause, 0.0) for cause in CAUSES}
         if st.cause:
-            out[st.cause] = out.get(st.cause, 0.0) + time.monotonic() - st.cause_since
-        return {cause: round(out.get(cause, 0.0), 3) for cause in CAUSES}
+            out[st.cause] += time.monotonic() - st.cause_since
+        return out
 
     def in_flight_ages(self) -> dict[str, float]:
         """How long the episodes in flight have run (s): median and oldest."""
