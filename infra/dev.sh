@@ -93,6 +93,11 @@ case "$cmd" in
     "$venv/bin/ruff" format --check pipeline connectors tests
     echo "== mypy"
     "$venv/bin/mypy"
+    # llama.cpp's inference server, which tests of producers sampling with an inference
+    # server run against (built once, a few minutes)
+    echo "== llama.cpp's server"
+    RLSTREAM_LLAMA_SERVER="$(PYTHON="$venv/bin/python" bash infra/llama-server.sh)"
+    export RLSTREAM_LLAMA_SERVER
     broker_dir="$root/.rlstream/test-broker"
     port="${RLSTREAM_TEST_PORT:-19092}"
     rm -rf "$broker_dir"

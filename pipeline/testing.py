@@ -124,6 +124,8 @@ class ScriptedPolicy:
         self.fed: list[list[int]] = []
         self.engine = self
         self.sampling = SamplingConfig()
+        self.logprob_temperature = self.sampling.logprob_temperature
+        self.shared_prompt_tokens = 0
         self.version = 0
         self.max_len = 1000
         tok = tokenizer or ByteTokenizer()

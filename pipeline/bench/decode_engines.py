@@ -14,7 +14,7 @@ under any interpreter that has them (``--peer-python``).
 - ``transformers``: ``generate`` on PyTorch, batched, with its key-value cache.
 - ``ctranslate2``: ``Generator.generate_batch`` in float32, the checkpoint converted by its
   own converter (``TransformersConverter``).
-- ``llama_cpp``: llama-cpp-python on a GGUF F32 file written with the ``gguf`` package,
+- ``llama_cpp``: llama-cpp-python on a GGUF F32 file (``pipeline/policy/gguf_file.py``),
   one sequence at a time (the batch its high-level API supports).
 - ``roofline``: the machine's float32 matrix-product FLOP/s (the best of NumPy's BLAS and
   XLA on a 4096 x 4096 product) and its memory bandwidth (a copy of 1 GiB, bytes read and
@@ -167,73 +167,16 @@ def run_llama_cpp(spec: dict[str, Any]) -> tuple[float, float]:
 
 
 def write_gguf(model: Path, out: Path) -> None:
-    """A Qwen2 or Llama checkpoint as GGUF F32, with llama.cpp's tensor names and the
-    byte-level BPE vocabulary and merges of its tokenizer.json."""
-    import gguf
-    from safetensors.numpy import load_file
+    """The checkpoint as GGUF F32, by rlstream's writer (``pipeline/policy/gguf_file.py``,
+    loaded by path: this interpreter may not have rlstream)."""
+    import importlib.util
 
-    cfg = json.loads((model / "config.json").read_text())
-    arch = {"qwen2": "qwen2", "llama": "llama"}.get(cfg["model_type"])
-    if arch is None:
-        raise SystemExit(f"llama_cpp: no GGUF writer for model_type {cfg['model_type']!r}")
-    tensors: dict[str, np.ndarray] = {}
-    for f in sorted(model.glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
-    w = gguf.GGUFWriter(str(out), arch)
-    w.add_context_length(int(cfg.get("max_position_embeddings", 4096)))
-    w.add_embedding_length(int(cfg["hidden_size"]))
-    w.add_block_count(int(cfg["num_hidden_layers"]))
-    w.add_feed_forward_length(int(cfg["intermediate_size"]))
-    w.add_head_count(int(cfg["num_attention_heads"]))
-    w.add_head_count_kv(int(cfg.get("num_key_value_heads", cfg["num_attention_heads"])))
-    w.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
-    w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    tok = json.loads((model / "tokenizer.json").read_text())
-    vocab = {**tok["model"]["vocab"], **{a["content"]: a["id"] for a in tok["added_tokens"]}}
-    special = {a["id"] for a in tok["added_tokens"] if a.get("special")}
-    size = int(cfg["vocab_size"])
-    names = [f"[PAD{i}]" for i in range(size)]
-    types = [gguf.TokenType.UNUSED] * size
-    for text, i in vocab.items():
-        if i < size:
-            names[i] = text
-            types[i] = gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2" if arch == "qwen2" else "llama-bpe")
-    w.add_token_list(names)
-    w.add_token_types(types)
-    merges = tok["model"]["merges"]
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-    if cfg.get("eos_token_id") is not None:
-        w.add_eos_token_id(int(cfg["eos_token_id"]))
-    names_by_hf = {
-        "input_layernorm": "attn_norm",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "post_attention_layernorm": "ffn_norm",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-    }
-    for name, value in tensors.items():
-        value = np.ascontiguousarray(value.astype(np.float32))
-        if name == "model.embed_tokens.weight":
-            w.add_tensor("token_embd.weight", value)
-        elif name == "model.norm.weight":
-            w.add_tensor("output_norm.weight", value)
-        elif name == "lm_head.weight":
-            w.add_tensor("output.weight", value)
-        else:
-            _, _, layer, rest = name.split(".", 3)
-            base, kind = rest.rsplit(".", 1)
-            w.add_tensor(f"blk.{layer}.{names_by_hf[base]}.{kind}", value)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = _HERE.parent / "policy" / "gguf_file.py"
+    spec = importlib.util.spec_from_file_location("rlstream_gguf_file", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.write_checkpoint(model, out)
 
 
 def run_roofline(spec: dict[str, Any]) -> dict[str, float]:

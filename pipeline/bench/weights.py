@@ -36,6 +36,7 @@ from pipeline.policy.checkpoint import digest, save_params
 from pipeline.policy.config import LoRAConfig, ModelConfig
 from pipeline.policy.lora import init_adapters, save_adapters
 from pipeline.policy.model import init_model
+from pipeline.policy.server import PolicyServer
 from pipeline.policy.tokenizer import TOKENIZER_ID
 from pipeline.rollout.config import AdmissionConfig, EpisodeLimits, ProducerConfig
 from pipeline.rollout.producer import RolloutProducer
@@ -97,6 +98,7 @@ def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
         producer.stop()
         th.join(120)
     server = producer.server
+    assert isinstance(server, PolicyServer)  # the bench's producer samples with its engine
     median_step = statistics.median(server.step_s)
     seen = {v: at - created[v] for v, at, _, _ in server.swaps if v in created}
     # a swap applied while the policy was idle stalled no step: counted, not a stall

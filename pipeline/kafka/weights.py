@@ -258,10 +258,14 @@ class WeightsSubscriber:
             params = self._verified(path, ann["digest"], version, ann["format"])
         if params is None:
             return False
+        try:  # the policy takes them (an inference server may refuse or be gone)
+            self.on_weights(params, version)
+        except Exception as e:
+            self._refuse("policy", f"version {version}: {type(e).__name__}: {e}")
+            return False
         self.version = version
         self.accepted += 1
         log.info("weights loaded version=%d path=%s", version, _cut(str(path)))
-        self.on_weights(params, version)
         return True
 
     def _verified(self, path: Path, announced: str, version: int, fmt: str = "orbax") -> Any:

@@ -211,11 +211,44 @@ def _hf_tensors(cfg: ModelConfig, params: Any) -> Iterator[tuple[str, np.ndarray
         yield name, np.ascontiguousarray(array.T if transposed else array)
 
 
+def _config(cfg: ModelConfig, extra: dict[str, Any] | None) -> dict[str, Any]:
+    """The ``config.json`` of a model of ``cfg``, with the special token ids of the
+    checkpoint it came from."""
+    config = hf_config(cfg, extra)
+    source = Path(cfg.path) if cfg.path else None
+    generation: dict[str, Any] = {}
+    if source is not None:
+        if (source / "config.json").is_file():
+            original = load_json(source / "config.json", "model configuration")
+            for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+                if key in original:
+                    config[key] = original[key]
+        if (source / "generation_config.json").is_file():
+            generation = load_json(source / "generation_config.json", "generation configuration")
+    for key in ("bos_token_id", "eos_token_id"):
+        if key not in config and key in generation:
+            config[key] = generation[key]
+    return config
+
+
+def hf_files(
+    cfg: ModelConfig, params: Any
+) -> tuple[dict[str, Any], dict[str, Any], Iterator[tuple[str, np.ndarray]]]:
+    """What a Hugging Face directory of ``params`` would hold, in memory: its
+    ``config.json``, its ``tokenizer.json`` and its tensors (one at a time)."""
+    if not cfg.path or not (Path(cfg.path) / "tokenizer.json").is_file():
+        raise InvalidConfigError(
+            "the model has no tokenizer.json: a Hugging Face checkpoint directory is needed "
+            "(--model DIR; rlstream model init makes one)"
+        )
+    tokenizer = load_json(Path(cfg.path) / "tokenizer.json", "tokenizer")
+    return _config(cfg, None), tokenizer, _hf_tensors(cfg, params)
+
+
 def export(cfg: ModelConfig, params: Any, out: Path, extra: dict[str, Any] | None = None) -> Path:
     """Write ``params`` of a model of ``cfg`` as a Hugging Face directory ``out`` (which
     must not exist or be empty): ``model.safetensors``, ``config.json`` and the tokenizer
     files of the checkpoint the model came from."""
-    config = hf_config(cfg, extra)
     if out.exists() and any(out.iterdir()):
         raise InvalidConfigError(f"{out} is not empty")
     tmp = out.with_name(f".{out.name}.partial")
@@ -223,21 +256,11 @@ def export(cfg: ModelConfig, params: Any, out: Path, extra: dict[str, Any] | Non
     tmp.mkdir(parents=True)
     tensorfile.write(tmp / SINGLE, dict(_hf_tensors(cfg, params)))
     source = Path(cfg.path) if cfg.path else None
-    generation: dict[str, Any] = {}
     if source is not None:
         for name in TOKENIZER_FILES:
             if (source / name).is_file():
                 shutil.copyfile(source / name, tmp / name)
-        if (source / "config.json").is_file():
-            original = load_json(source / "config.json", "model configuration")
-            for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-                if key in original:
-                    config[key] = original[key]
-        if (tmp / "generation_config.json").is_file():
-            generation = load_json(tmp / "generation_config.json", "generation configuration")
-    for key in ("bos_token_id", "eos_token_id"):
-        if key not in config and key in generation:
-            config[key] = generation[key]
+    config = _config(cfg, extra)
     (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if out.exists():
         out.rmdir()

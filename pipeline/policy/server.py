@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from pipeline.observe.telemetry import tracer
 from pipeline.policy.sampler import DecodeEngine
@@ -33,6 +33,46 @@ class TurnResult:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     stopped: int | None = None
+
+
+class Policy(Protocol):
+    """What episodes and the producer need of a policy: rlstream's engine on its thread
+    (:class:`PolicyServer`) or an inference server
+    (:class:`~pipeline.policy.remote.RemotePolicy`)."""
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def max_len(self) -> int: ...
+
+    @property
+    def logprob_temperature(self) -> float: ...
+
+    @property
+    def shared_prompt_tokens(self) -> int: ...
+
+    def room(self, slot: int) -> int: ...
+
+    async def generate(
+        self,
+        slot: int,
+        tokens: list[int],
+        max_new_tokens: int,
+        *,
+        reset: bool = False,
+        stream: int | None = None,
+    ) -> TurnResult: ...
+
+    def release(self, slot: int) -> None: ...
+
+    def swap(self, state: Any, version: int) -> None: ...
+
+    def start(self) -> Any: ...
+
+    def stop(self) -> None: ...
+
+    async def aclose(self) -> None: ...
 
 
 @dataclass
@@ -82,6 +122,23 @@ class PolicyServer:
     def max_len(self) -> int:
         """Tokens one conversation may hold."""
         return int(self.engine.cfg.max_len)
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature recorded log-probabilities are taken at."""
+        return self.engine.sampling.logprob_temperature
+
+    @property
+    def shared_prompt_tokens(self) -> int:
+        """Prompt tokens copied from another conversation's cache instead of prefilled."""
+        return int(self.engine.shared_prompt_tokens)
+
+    def room(self, slot: int) -> int:
+        """Tokens the slot's conversation may still take."""
+        return int(self.engine.room(slot))
+
+    async def aclose(self) -> None:
+        """Nothing to close on the episodes' event loop (the engine has its own thread)."""
 
     def start(self) -> PolicyServer:
         self._thread.start()

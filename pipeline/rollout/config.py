@@ -156,6 +156,18 @@ class ProducerConfig:
     #: the policy: a preset's name (tiny, small, base), a Hugging Face checkpoint directory
     #: (Llama, Qwen2, Qwen3: rlstream model init makes one) or the sizes
     model: ModelConfig = field(default_factory=ModelConfig)
+    #: who samples the policy's turns: local (this process's engine) or openai:URL (an
+    #: inference server's OpenAI-compatible completions endpoint, token ids in and out)
+    policy: str = "local"
+    #: with openai:URL, the folder of a llama.cpp router (llama-server --models-dir) that
+    #: each loaded version is written to as GGUF and loaded from (None: the server's model
+    #: stays version 0, announced weights are not loaded)
+    policy_models_dir: Path | None = None
+    #: with openai:URL, seconds one turn may take at the server
+    policy_timeout_s: float = 300.0
+    #: with openai:URL, seconds turns wait for a server that does not answer before their
+    #: episodes end
+    policy_wait_s: float = 60.0
     #: when new groups may start
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
@@ -176,6 +188,8 @@ class ProducerConfig:
             ("stop_timeout_s", self.stop_timeout_s, 0),
             ("partitions", self.partitions, 1),
             ("max_consecutive_failures", self.max_consecutive_failures, 0),
+            ("policy_timeout_s", self.policy_timeout_s, 0),
+            ("policy_wait_s", self.policy_wait_s, 0),
         ):
             check_range(name, value, low)
         check_tools(self.tools)
@@ -187,6 +201,26 @@ class ProducerConfig:
                     "with other roots"
                 )
             object.__setattr__(self, "checkpoint_roots", ())
+        self._check_policy()
+
+    def _check_policy(self) -> None:
+        from pipeline.policy.remote import server_url
+
+        if server_url(self.policy) is None:
+            if self.policy_models_dir is not None:
+                raise InvalidConfigError("policy_models_dir is for --policy openai:URL")
+            return
+        if self.policy_models_dir is None and self.checkpoint_roots:
+            raise InvalidConfigError(
+                f"--policy {self.policy} cannot take announced weights without "
+                "--policy-models-dir (the models folder of llama.cpp's router, llama-server "
+                "--models-dir DIR); give --checkpoint-root none to sample the server's model "
+                "as it is"
+            )
+        if self.policy_models_dir is not None and not self.policy_models_dir.is_dir():
+            raise InvalidConfigError(
+                f"policy models folder {self.policy_models_dir} is not a folder"
+            )
 
     @property
     def env_kwargs(self) -> dict[str, Any]:

@@ -36,7 +36,7 @@ import numpy as np
 from connectors.base import Environment, Task
 from pipeline.errors import RlstreamError
 from pipeline.observe.telemetry import no_span, span, tracer
-from pipeline.policy.server import PolicyServer, TurnResult
+from pipeline.policy.server import Policy, TurnResult
 from pipeline.policy.tokenizer import ChatFormat
 from pipeline.records.trajectory import (
     LOGPROB_DTYPE,
@@ -125,7 +125,7 @@ class _Recorder:
 async def run_episode(
     env: Environment,
     member: GroupSlot,
-    server: PolicyServer,
+    server: Policy,
     slot: int,
     tokenizer: ChatFormat,
     limits: EpisodeLimits,
@@ -170,7 +170,7 @@ async def run_episode(
         for turn_index in range(limits.max_policy_turns):
             t0 = time.perf_counter()
             feed = [*rec.tokens[fed:], *header]
-            room = server.max_len if turn_index == 0 else server.engine.room(slot)
+            room = server.max_len if turn_index == 0 else server.room(slot)
             if len(feed) >= room:  # not even one token could be sampled after it
                 rec.forget_after(fed)  # the record holds only what the policy saw
                 status = "truncated"
@@ -201,7 +201,7 @@ async def run_episode(
                 continue
             rec.policy(header, turn, latency)
             fed = len(rec.tokens)
-            if turn.stopped is None and server.engine.room(slot) < 1:
+            if turn.stopped is None and server.room(slot) < 1:
                 status = "truncated"
                 break
             t0 = time.perf_counter()
@@ -263,7 +263,7 @@ async def run_episode(
         timings=Timings(int(started * 1000), int(time.time() * 1000), gen_s, env_s),
         metadata={
             "task": member.task.task_id,
-            META_TEMPERATURE: repr(server.engine.sampling.logprob_temperature),
+            META_TEMPERATURE: repr(server.logprob_temperature),
             **({META_TOOL_ERRORS: str(tool_errors)} if calls else {}),
         },
     )

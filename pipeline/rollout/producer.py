@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import confluent_kafka
+from flax import nnx
 
 from connectors import stats as connector_stats
 from connectors.base import Environment, close_shared, env_name, make
@@ -31,8 +32,9 @@ from pipeline.kafka.transport import TrajectoryWriter
 from pipeline.kafka.weights import WeightsSubscriber
 from pipeline.observe.prometheus import Sample
 from pipeline.policy.hf_weights import initial_model
+from pipeline.policy.remote import RemotePolicy, server_url
 from pipeline.policy.sampler import DecodeEngine
-from pipeline.policy.server import PolicyServer
+from pipeline.policy.server import Policy, PolicyServer
 from pipeline.policy.tokenizer import tokenizer_for
 from pipeline.records.trajectory import Trajectory
 from pipeline.rollout.admission import CAUSES, JOIN_ROUNDS, Heartbeats, LagMonitor, decide
@@ -85,12 +87,31 @@ class RolloutProducer:
         if cfg.model.vocab_size < self.tokenizer.vocab_size:
             raise InvalidConfigError("model vocabulary is smaller than the tokenizer's")
         model = initial_model(cfg.model, cfg.model_seed)
-        self.engine = DecodeEngine(model, cfg.concurrency, cfg.sampling, swap_kv=cfg.swap_kv)
-        self.server = PolicyServer(
-            self.engine,
-            self.tokenizer.stop_tokens,
-            stop_sequences=tuple(tuple(self.tokenizer.encode(s)) for s in cfg.stop_sequences),
-        )
+        stop_sequences = tuple(tuple(self.tokenizer.encode(s)) for s in cfg.stop_sequences)
+        self.server: Policy
+        url = server_url(cfg.policy)
+        if url is None:
+            engine = DecodeEngine(model, cfg.concurrency, cfg.sampling, swap_kv=cfg.swap_kv)
+            self.server = PolicyServer(
+                engine, self.tokenizer.stop_tokens, stop_sequences=stop_sequences
+            )
+        else:
+            remote = RemotePolicy(
+                url,
+                cfg.model,
+                cfg.sampling,
+                self.tokenizer.stop_tokens,
+                stop_sequences=stop_sequences,
+                token_text=lambda i: self.tokenizer.decode([i]),
+                models_dir=cfg.policy_models_dir,
+                name_prefix=cfg.namespace,
+                concurrency=cfg.concurrency,
+                timeout_s=cfg.policy_timeout_s,
+                wait_s=cfg.policy_wait_s,
+            )
+            if cfg.policy_models_dir is not None:  # the server starts from version 0 too
+                remote.swap(nnx.state(model, nnx.Param), 0)
+            self.server = remote
         self.writer = TrajectoryWriter(kafka, cfg.namespace)
         self.stats = ProducerStats()
         self.exactness = Exactness()
@@ -192,7 +213,7 @@ class RolloutProducer:
             Sample("rlstream_producer_paused", int(st.paused), help="1 while admission holds back"),
             Sample(
                 "rlstream_producer_shared_prompt_tokens_total",
-                self.server.engine.shared_prompt_tokens,
+                self.server.shared_prompt_tokens,
                 "counter",
                 "prompt tokens copied from another conversation's cache instead of prefilled",
             ),
@@ -286,6 +307,7 @@ class RolloutProducer:
         admission.cancel()
         await asyncio.gather(admission, return_exceptions=True)  # its heartbeat goodbye
         await close_shared()
+        await self.server.aclose()
 
     def _admit(self) -> bool:
         """Admission control (:mod:`pipeline.rollout.admission`): may a new group start

@@ -35,11 +35,24 @@ def status_line(producer: Any) -> dict[str, Any]:
         "peers": st.peers,
         "peers_in_flight": st.peers_in_flight,
         "behind": st.behind,
-        "shared_prompt_tokens": producer.server.engine.shared_prompt_tokens,
+        "shared_prompt_tokens": producer.server.shared_prompt_tokens,
         "exactness_checked": producer.exactness.checked,
         "rewritten_turns": producer.exactness.rewritten_turns,
         "divergent_context": producer.exactness.divergent_context,
         "connectors": connector_stats.snapshot(),
+        **_server(producer.server),
+    }
+
+
+def _server(policy: Any) -> dict[str, Any]:
+    """An inference server's figures (``--policy openai:URL``): turns it answered, turns
+    cut before a token it gave no log-probability for, turns that failed by reason."""
+    if not hasattr(policy, "cut_turns"):
+        return {}
+    return {
+        "server_turns": policy.turns,
+        "server_cut_turns": policy.cut_turns,
+        "server_failures": dict(policy.failures),
     }
 
 
