@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from pipeline.policy.config import SamplingConfig
 from pipeline.policy.tokenizer import ByteTokenizer, ChatFormat
+from pipeline.policy.turn import TurnResult
 from pipeline.records.trajectory import (
     LOGPROB_DTYPE,
     MASK_DTYPE,
@@ -26,9 +27,6 @@ from pipeline.records.trajectory import (
     Turns,
     VersionSpan,
 )
-
-if TYPE_CHECKING:
-    from pipeline.policy.server import TurnResult
 
 
 def make_trajectory(
@@ -156,8 +154,6 @@ class ScriptedPolicy:
         reset: bool = False,
         stream: int | None = None,
     ) -> TurnResult:
-        from pipeline.policy.server import TurnResult  # (jax, only when a test needs it)
-
         self.fed.append(list(tokens))
         out = self.turns.pop(0)
         stop = out[-1] if out[-1] in self._stops else None

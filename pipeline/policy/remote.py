@@ -38,7 +38,7 @@ from typing import Any
 from pipeline.errors import InvalidConfigError
 from pipeline.policy.config import ModelConfig, SamplingConfig
 from pipeline.policy.llama_router import LlamaRouter, RemotePolicyError, cut, version_of
-from pipeline.policy.server import TurnResult
+from pipeline.policy.turn import TurnResult
 
 log = logging.getLogger(__name__)
 

@@ -15,64 +15,15 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from pipeline.observe.telemetry import tracer
 from pipeline.policy.sampler import DecodeEngine
+from pipeline.policy.turn import Policy, TurnResult
+
+__all__ = ["Policy", "PolicyServer", "TurnResult"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TurnResult:
-    """Tokens the policy sampled for one turn, each with its log-probability and the
-    policy version that sampled it. ``stopped`` is the stop token (or the last token of
-    the stop sequence) that ended the turn, or None when it ran out of tokens or context."""
-
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    stopped: int | None = None
-
-
-class Policy(Protocol):
-    """What episodes and the producer need of a policy: rlstream's engine on its thread
-    (:class:`PolicyServer`) or an inference server
-    (:class:`~pipeline.policy.remote.RemotePolicy`)."""
-
-    @property
-    def version(self) -> int: ...
-
-    @property
-    def max_len(self) -> int: ...
-
-    @property
-    def logprob_temperature(self) -> float: ...
-
-    @property
-    def shared_prompt_tokens(self) -> int: ...
-
-    def room(self, slot: int) -> int: ...
-
-    async def generate(
-        self,
-        slot: int,
-        tokens: list[int],
-        max_new_tokens: int,
-        *,
-        reset: bool = False,
-        stream: int | None = None,
-    ) -> TurnResult: ...
-
-    def release(self, slot: int) -> None: ...
-
-    def swap(self, state: Any, version: int) -> None: ...
-
-    def start(self) -> Any: ...
-
-    def stop(self) -> None: ...
-
-    async def aclose(self) -> None: ...
 
 
 @dataclass
