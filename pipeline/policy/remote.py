@@ -220,9 +220,10 @@ class RemotePolicy:
             "stream": False,
             # llama.cpp: the nucleus and the temperature only, the sampled token's id and
             # its probability after them (greedy: the unscaled softmax, as rlstream's
-            # engine records it); no prompt cache: after a reused prefix, the
-            # probabilities llama.cpp reported differed from the model's by up to 0.9 nats
-            # (tests/integration/test_remote_policy.py), so each turn is prefilled whole
+            # engine records it); no prompt cache: with it, a run of the test reported
+            # probabilities up to 0.9 nats off the model's (a run that also had the UTF-8
+            # gaps of _complete; not tested apart from them yet), so each turn is
+            # prefilled whole
             "samplers": ["top_p", "temperature"],
             "top_k": 0,
             "min_p": 0.0,
