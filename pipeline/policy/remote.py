@@ -29,7 +29,6 @@ import json
 import logging
 import math
 import re
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,7 +37,7 @@ from typing import Any
 from pipeline.errors import InvalidConfigError
 from pipeline.policy.config import ModelConfig, SamplingConfig
 from pipeline.policy.llama_router import LlamaRouter, RemotePolicyError, cut, version_of
-from pipeline.policy.turn import TurnResult
+from pipeline.policy.turn import TurnResult, ends_turn
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +108,6 @@ class RemotePolicy:
             else {}
         )
         self._context: dict[int, list[int]] = {}
-        self._lock = threading.Lock()
         #: the model turns name (None: the server's only model) and its version
         self._serving: tuple[str | None, int] = (None, 0)
         self._server_ctx: int | None = None
@@ -197,9 +195,7 @@ class RemotePolicy:
             result.tokens.append(token)
             result.logprobs.append(logp)
             result.versions.append(version)
-            if token in self.stop_tokens or any(
-                tuple(result.tokens[-len(s) :]) == s for s in self.stop_sequences
-            ):
+            if ends_turn(result.tokens, self.stop_tokens, self.stop_sequences):
                 result.stopped = token
                 break
         context.extend(result.tokens)
@@ -364,8 +360,7 @@ class RemotePolicy:
             )
         name, context = self.router.publish(params, version)
         self._server_ctx = context
-        with self._lock:
-            self._serving = (name, version)
+        self._serving = (name, version)  # one assignment: turns read it whole
         log.info("policy server %s samples version=%d (%s)", self.url, version, name)
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from pipeline.observe.telemetry import tracer
 from pipeline.policy.sampler import DecodeEngine
-from pipeline.policy.turn import Policy, TurnResult
+from pipeline.policy.turn import Policy, TurnResult, ends_turn
 
 __all__ = ["Policy", "PolicyServer", "TurnResult"]
 
@@ -162,9 +162,7 @@ class PolicyServer:
                     r.tokens.append(token)
                     r.logprobs.append(logp)
                     r.versions.append(version)
-                    done = token in self.stop_tokens or any(
-                        tuple(r.tokens[-len(s) :]) == s for s in self.stop_sequences
-                    )
+                    done = ends_turn(r.tokens, self.stop_tokens, self.stop_sequences)
                     if done:
                         r.stopped = token
                     if done or len(r.tokens) >= req.max_new_tokens or self.engine.room(slot) < 1:

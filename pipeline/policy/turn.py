@@ -9,6 +9,14 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
+def ends_turn(
+    tokens: list[int], stop_tokens: set[int], stop_sequences: tuple[tuple[int, ...], ...]
+) -> bool:
+    """Whether the last of ``tokens`` ends a turn: a stop token, or the end of a stop
+    sequence."""
+    return tokens[-1] in stop_tokens or any(tuple(tokens[-len(s) :]) == s for s in stop_sequences)
+
+
 @dataclass
 class TurnResult:
     """Tokens the policy sampled for one turn, each with its log-probability and the
