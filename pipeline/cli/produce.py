@@ -72,7 +72,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
             status.write(p)
         print(
             f"episodes={done} rate={rate:.1f}/s in_flight={st.started - done - st.dropped} "
-            f"paused={'yes' if st.paused else 'no'} lag={st.lag} version={p.version} "
+            f"paused={'yes' if p.gate.paused else 'no'} lag={p.gate.lag} version={p.version} "
             f"sent={p.writer.sent} failed={p.writer.failed}",
             flush=True,
         )

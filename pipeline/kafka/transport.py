@@ -63,11 +63,12 @@ class TrajectoryWriter:
         self.bytes = 0
         self.last_error: KafkaClientError | None = None
 
-    def write(self, t: Trajectory) -> None:
-        """Encode and enqueue one trajectory (waits while the local queue is full)."""
+    def write(self, t: Trajectory, wait: bool = True) -> bool:
+        """Encode and enqueue one trajectory. While the local queue is full: wait for
+        room, or with ``wait=False`` write nothing and return False."""
         with span("produce", "kafka", env=t.env):
             value = self.codec.encode(t, self.route(t.env)[1])
-            self.write_encoded(t.env, t.group_id, value, self.codec.headers(t))
+            return self.write_encoded(t.env, t.group_id, value, self.codec.headers(t), wait)
 
     def route(self, env: str) -> tuple[str, bytes | None]:
         """The topic of ``env``'s trajectories and the framing records to it carry (None:
@@ -84,8 +85,15 @@ class TrajectoryWriter:
         return route
 
     def write_encoded(
-        self, env: str, key: str, value: bytes, headers: Sequence[tuple[str, bytes]]
-    ) -> None:
+        self,
+        env: str,
+        key: str,
+        value: bytes,
+        headers: Sequence[tuple[str, bytes]],
+        wait: bool = True,
+    ) -> bool:
+        """Enqueue one encoded record; see :meth:`write` for ``wait`` and the result.
+        Safe to call from several threads."""
         topic = self.route(env)[0]
         while True:
             try:
@@ -94,12 +102,17 @@ class TrajectoryWriter:
                 )
                 break
             except BufferError:  # local queue full: serve callbacks, then retry
+                if not wait:
+                    self._producer.poll(0)
+                    return False
                 self._producer.poll(0.05)
             except confluent_kafka.KafkaException as e:
                 raise wrap_error(e, f"producing to {topic}") from e
-        self.sent += 1
-        self.bytes += len(value)
+        with self._lock:
+            self.sent += 1
+            self.bytes += len(value)
         self._producer.poll(0)
+        return True
 
     def _on_delivery(self, err: confluent_kafka.KafkaError | None, msg: Any) -> None:
         with self._lock:

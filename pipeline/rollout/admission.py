@@ -31,28 +31,20 @@ The budget counts queue positions, assuming the episode starts with the trainer'
 policy. While a producer samples with weights ``behind`` versions older (a restore in
 progress, or announcements it cannot load), an episode started now is older by that much:
 its budget is ``max_staleness - behind`` steps.
+
+:class:`Gate` holds a producer's admission state around :func:`decide`: what the last lag
+poll and heartbeat exchange said, the pause under way and its cause, and the synchronous
+mode (a batch per policy version), which is an admission policy like the others. The
+figures it reads from Kafka come from :mod:`pipeline.rollout.peers`.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
-import confluent_kafka
-
-from pipeline.errors import RecordDecodeError
-from pipeline.kafka.client import KafkaConfig
-from pipeline.kafka.topics import producers_topic
-from pipeline.records.codec import AvroCodec
-
-log = logging.getLogger(__name__)
-
-#: a heartbeat's in-flight count above this is refused as nonsense
-MAX_IN_FLIGHT = 1 << 20
 #: heartbeat rounds (after the peers are known) in which a producer that just started
 #: raises its episodes in flight by at most one group per heartbeat
 JOIN_ROUNDS = 4
@@ -116,179 +108,124 @@ def decide(
     return Decision(False, outstanding, share, len(peers), cause)
 
 
-class LagMonitor:
-    """Reads the trainer group's lag on the rollout topic from Kafka offsets."""
+class Gate:
+    """A producer's admission state, in one object around :func:`decide`.
 
-    def __init__(self, kafka: KafkaConfig, topic: str, group: str) -> None:
-        self.topic = topic
-        self.consumer = kafka.consumer(group)
-
-    def lag(self) -> int:
-        md = self.consumer.list_topics(self.topic, timeout=10)
-        parts = [
-            confluent_kafka.TopicPartition(self.topic, p) for p in md.topics[self.topic].partitions
-        ]
-        committed = self.consumer.committed(parts, timeout=10)
-        total = 0
-        for tp in committed:
-            low, high = self.consumer.get_watermark_offsets(tp, timeout=10)
-            start = tp.offset if tp.offset >= 0 else low
-            if tp.metadata and tp.metadata.isdigit():  # the trainer's read position
-                start = max(start, int(tp.metadata))
-            total += max(0, high - start)
-        return total
-
-    def close(self) -> None:
-        self.consumer.close()
-
-
-class Heartbeats:
-    """This producer's heartbeats out, and its live peers' in (blocking calls: run them
-    off the event loop)."""
+    The producer tells it what happened (:meth:`polled`: the trainer's lag; :meth:`heard`:
+    the peers' heartbeats; :meth:`started`: a group began) and asks :meth:`may_start`
+    before each group. With ``sync_batch`` (synchronous mode) the policy is instead: at
+    most ``sync_batch`` episodes per policy version, the next batch once the trainer's next
+    version is loaded. ``max_staleness < 0``: no admission control. Not thread-safe: the
+    producer's event loop is its only caller.
+    """
 
     def __init__(
         self,
-        kafka: KafkaConfig,
-        namespace: str,
-        producer_id: str,
-        interval_s: float,
-        timeout_s: float,
+        max_staleness: int,
+        trainer_batch: int,
+        group_size: int,
+        sync_batch: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.topic = producers_topic(namespace)
-        self.producer_id = producer_id
-        self.interval_s, self.timeout_s = interval_s, timeout_s
-        self.codec = AvroCodec("ProducerHeartbeat")
-        self.producer = kafka.producer(**{"linger.ms": 0})
-        self.consumer = kafka.consumer(
-            None, **{"enable.partition.eof": True, "fetch.wait.max.ms": 50}
+        self.max_staleness, self.trainer_batch = max_staleness, trainer_batch
+        self.group_size, self.sync_batch = group_size, sync_batch
+        self.clock = clock
+        #: the trainer group's lag when last polled, and this producer's records settled
+        #: (acknowledged or failed) when that poll began
+        self.lag = 0
+        self.settled_at_poll = 0
+        #: live peers and their episodes in flight; records they wrote since the last poll
+        self.peers: dict[str, int] = {}
+        self.peers_unpolled = 0
+        #: no group starts before the peers are known (the heartbeats read to the end of
+        #: the log an interval after this producer's first), so that producers starting at
+        #: the same moment hear of each other first
+        self.peers_known = False
+        #: heartbeat rounds since the peers became known, and the episodes in flight this
+        #: producer announced in its last heartbeat: for its first ``JOIN_ROUNDS`` rounds a
+        #: producer holds at most one group more than it announced, so that a peer that
+        #: started at the same moment (and is not heard of yet) never finds it far beyond
+        #: its last heartbeat
+        self.rounds_known = 0
+        self.announced = 0
+        #: the last decision's figures: this producer's share of the budget, the live
+        #: peers and their episodes in flight, versions its weights are behind
+        self.share = 0
+        self.peer_count = 0
+        self.behind = 0
+        self.paused = False
+        #: synchronous mode: this version's batch is started, waiting for the next version
+        self.waiting = False
+        self._cause = ""
+        self._cause_since = 0.0
+        self._paused_by: dict[str, float] = {}
+        self._sync_version = 0
+        self._sync_started = 0
+
+    def polled(self, lag: int, settled: int) -> None:
+        """The trainer's lag was read; ``settled``: this producer's records settled when
+        the poll began."""
+        self.lag, self.settled_at_poll = lag, settled
+
+    def heard(self, peers: dict[str, int], unpolled: int, announced: int, ready: bool) -> None:
+        """A heartbeat exchange: the live peers' episodes in flight, the records they wrote
+        since the last poll, the episodes in flight this producer announced, and whether
+        the peers are known now."""
+        self.peers, self.peers_unpolled, self.announced = peers, unpolled, announced
+        self.rounds_known += self.peers_known
+        self.peers_known = self.peers_known or ready
+
+    def started(self, episodes: int) -> None:
+        """A group of ``episodes`` began (counted against the synchronous batch)."""
+        self._sync_started += episodes
+
+    def may_start(
+        self, *, in_flight: int, sent: int, version: int, announced_version: int | None
+    ) -> bool:
+        """May a new group start now? ``in_flight``: this producer's episodes in flight;
+        ``sent``: its records written; ``version``: the policy version it samples with;
+        ``announced_version``: the newest version announced (None: no weights topic)."""
+        if self.sync_batch is not None:
+            if version != self._sync_version:
+                self._sync_version, self._sync_started = version, 0
+            self.waiting = self._sync_started >= self.sync_batch
+            return not self.waiting
+        if self.max_staleness < 0:
+            return True
+        if not self.peers_known:
+            return False
+        # Versions the trainer is ahead of the weights sampled here (one is loading, or
+        # could not be) make an episode started now that much older when trained.
+        behind = 0 if announced_version is None else max(0, announced_version - version)
+        self.behind = behind
+        d = decide(
+            budget=max(0, self.max_staleness - behind) * self.trainer_batch,
+            group_size=self.group_size,
+            lag=self.lag,
+            # The polled lag counts the records Kafka held when the poll began: those this
+            # producer wrote that were not acknowledged by then count too (a record written
+            # is not in the high watermark until the cluster acknowledges it), or a slow
+            # poll or a slow broker would let it start groups on a low figure.
+            unpolled=sent - self.settled_at_poll + self.peers_unpolled,
+            own_in_flight=in_flight,
+            peers=self.peers,
+            announced=self.announced if self.rounds_known < JOIN_ROUNDS else None,
         )
-        self.consumer.assign(
-            [confluent_kafka.TopicPartition(self.topic, 0, confluent_kafka.OFFSET_BEGINNING)]
-        )
-        #: peer id -> (episodes in flight, share, records acknowledged, when received:
-        #: monotonic seconds)
-        self._peers: dict[str, tuple[int, int, int, float]] = {}
-        #: each peer's records acknowledged as known when the lag was last polled
-        self._sent_at_poll: dict[str, int] = {}
-        self.refused = 0
-        self._first_beat: float | None = None
-        #: whether every heartbeat sent by a peer up to an interval after this producer's
-        #: first one has been read (only then are the peers known)
-        self.ready = False
+        self.share, self.peer_count = d.share, d.peers
+        now = self.clock()
+        if d.cause != self._cause:
+            if self._cause:
+                self._paused_by[self._cause] = (
+                    self._paused_by.get(self._cause, 0.0) + now - self._cause_since
+                )
+            self._cause, self._cause_since = d.cause, now
+        self.paused = not d.admit
+        return d.admit
 
-    def beat(self, in_flight: int, sent: int, share: int) -> None:
-        record = {
-            "producer_id": self.producer_id,
-            "in_flight": in_flight,
-            "sent": sent,
-            "budget_share": share,
-            "interval_ms": int(self.interval_s * 1000),
-            "sent_at_ms": int(time.time() * 1000),
-        }
-        self.producer.produce(
-            self.topic,
-            self.codec.encode(record, self.codec.framing_for(self.topic)),
-            self.producer_id.encode(),
-        )
-        self.producer.poll(0)
-        if self._first_beat is None:
-            self._first_beat = time.monotonic()
-
-    def read(self, timeout_s: float = 0.0) -> None:
-        """Take in the heartbeats that arrived since the last read; until :attr:`ready`,
-        read up to the end of the log (waiting up to ``timeout_s`` for it)."""
-        started = time.monotonic()
-        settled = self._first_beat is not None and started - self._first_beat >= self.interval_s
-        deadline = started + (0.0 if self.ready else timeout_s)
-        while True:
-            msgs = self.consumer.consume(500, 0.05 if not self.ready else 0)
-            at_end = False
-            for m in msgs:
-                err = m.error()
-                if err is not None and err.code() == confluent_kafka.KafkaError._PARTITION_EOF:
-                    at_end = True
-                else:
-                    self._take(m)
-            if at_end:  # read to the end of the log
-                self.ready = self.ready or settled
-                return
-            if not msgs and (self.ready or time.monotonic() >= deadline):
-                self._give_up_waiting()
-                return
-
-    def _give_up_waiting(self) -> None:
-        """Never wait for the peers longer than twice the timeout: a topic that cannot
-        be read leaves this producer counting itself and the trainer's backlog only."""
-        if self.ready or self._first_beat is None:
-            return
-        if time.monotonic() - self._first_beat > 2 * self.timeout_s:
-            log.warning(
-                "heartbeats on %s not readable: admitting on the trainer's backlog and this "
-                "producer's episodes only",
-                self.topic,
-            )
-            self.ready = True
-
-    def _take(self, m: Any) -> None:
-        if m.error() is not None:
-            log.debug("heartbeat read error=%s", m.error().str())
-            return
-        key = m.key()
-        try:
-            peer = key.decode("utf-8") if key else ""
-        except UnicodeDecodeError:
-            peer = ""
-        if not peer or peer == self.producer_id:
-            return
-        if m.value() is None:  # a tombstone: the peer stopped
-            self._peers.pop(peer, None)
-            return
-        kind, ts = m.timestamp()
-        age_s = time.time() - ts / 1000 if kind != confluent_kafka.TIMESTAMP_NOT_AVAILABLE else 0
-        if age_s > max(self.timeout_s, 60.0):  # an old heartbeat from the log (a start)
-            return
-        try:
-            hb = self.codec.decode(m.value())
-            in_flight, share, sent = int(hb["in_flight"]), int(hb["budget_share"]), int(hb["sent"])
-            if hb["producer_id"] != peer or not 0 <= in_flight <= MAX_IN_FLIGHT or sent < 0:
-                raise RecordDecodeError("bad_heartbeat", f"{hb}"[:200])
-        except (RecordDecodeError, KeyError, TypeError, ValueError) as e:
-            self.refused += 1
-            log.warning("heartbeat of %r refused: %s", peer[:100], str(e)[:200])
-            return
-        self._peers[peer] = (in_flight, share, sent, time.monotonic())
-
-    def live(self) -> dict[str, int]:
-        """The peers heard from within ``timeout_s``, and their episodes in flight."""
-        now = time.monotonic()
-        for peer, (*_, seen) in list(self._peers.items()):
-            if now - seen > self.timeout_s:
-                log.info("producer %s silent for %.1fs: no longer counted", peer, now - seen)
-                del self._peers[peer]
-                self._sent_at_poll.pop(peer, None)
-        return {peer: n for peer, (n, *_) in self._peers.items()}
-
-    def shares(self) -> dict[str, int]:
-        """The live peers' budget shares (as they last said)."""
-        return {peer: share for peer, (_, share, *_) in self._peers.items()}
-
-    def mark_poll(self) -> None:
-        """The lag is about to be polled: what the peers have written so far (as last
-        heard) is in it."""
-        self._sent_at_poll = {peer: sent for peer, (_, _, sent, _) in self._peers.items()}
-
-    def unpolled(self) -> int:
-        """Records the live peers wrote since the last :meth:`mark_poll` (a peer first
-        heard of since then counts whole: a little high for one poll, never low)."""
-        return sum(
-            max(0, sent - self._sent_at_poll.get(peer, 0))
-            for peer, (_, _, sent, _) in self._peers.items()
-        )
-
-    def leave(self) -> None:
-        """Say this producer stopped (a tombstone), so the others stop counting it now."""
-        try:
-            self.producer.produce(self.topic, None, self.producer_id.encode())
-            self.producer.flush(5)
-        finally:
-            self.consumer.close()
+    def paused_by(self) -> dict[str, float]:
+        """Seconds admission has held new groups back so far, by cause (:data:`CAUSES`),
+        the pause under way included."""
+        out = {cause: self._paused_by.get(cause, 0.0) for cause in CAUSES}
+        if self._cause:
+            out[self._cause] += self.clock() - self._cause_since
+        return out

@@ -3,9 +3,15 @@ records to Kafka, live weight reload and lag-aware admission control.
 
 Episodes are started group by group (each task sampled ``group_size`` times, one record
 per episode, keyed by group id). A slow environment only holds its own episode: the
-policy server batches whatever turns are ready. Admission control stops starting new
-groups while the trainer's consumer lag means new samples would arrive too stale, and
-resumes when the lag drains.
+policy server batches whatever turns are ready. Admission control (:class:`Gate`) stops
+starting new groups while the trainer's consumer lag means new samples would arrive too
+stale, and resumes when the lag drains.
+
+The loop that starts episodes sleeps until something that could change its answer
+happens: an episode ends (a slot and budget are freed), the lag is polled, the peers'
+heartbeats are read, new weights are loaded, or the producer is stopped. Records are
+written without blocking the loop: when the client's local queue is full the write waits
+in a thread.
 """
 
 from __future__ import annotations
@@ -23,7 +29,6 @@ from dataclasses import dataclass, field
 import confluent_kafka
 from flax import nnx
 
-from connectors import stats as connector_stats
 from connectors.base import Environment, close_shared, env_name, make
 from pipeline.errors import InvalidConfigError, InvalidTrajectoryError, ProducerFailedError
 from pipeline.kafka.client import KafkaConfig
@@ -37,10 +42,12 @@ from pipeline.policy.sampler import DecodeEngine
 from pipeline.policy.server import Policy, PolicyServer
 from pipeline.policy.tokenizer import tokenizer_for
 from pipeline.records.trajectory import Trajectory
-from pipeline.rollout.admission import CAUSES, JOIN_ROUNDS, Heartbeats, LagMonitor, decide
+from pipeline.rollout.admission import Gate
 from pipeline.rollout.config import ProducerConfig
 from pipeline.rollout.episode import GroupSlot, failed_trajectory, run_episode
 from pipeline.rollout.exactness import Exactness
+from pipeline.rollout.peers import Heartbeats, LagMonitor
+from pipeline.rollout.status import prometheus_samples
 
 log = logging.getLogger(__name__)
 
@@ -50,26 +57,8 @@ class ProducerStats:
     started: int = 0
     finished: Counter[str] = field(default_factory=Counter)
     dropped: int = 0
-    paused: bool = False
-    #: seconds admission control held new episodes back, by cause
-    #: (:data:`pipeline.rollout.admission.CAUSES`), up to the last change of cause (see
-    #: :meth:`RolloutProducer.paused_by` for the pause under way)
-    paused_by: dict[str, float] = field(default_factory=dict)
-    #: the cause of the pause under way ("" when none), and since when (monotonic s)
-    cause: str = ""
-    cause_since: float = 0.0
-    lag: int = 0
-    #: synchronous mode: waiting for the trainer's next version
-    waiting: bool = False
     #: episodes that failed inside the producer (written as failed records)
     failed: int = 0
-    #: episodes in flight this producer allows itself (its share of the budget)
-    share: int = 0
-    #: live other producers of the namespace, and their episodes in flight
-    peers: int = 0
-    peers_in_flight: int = 0
-    #: versions announced but not (yet) sampled with here
-    behind: int = 0
 
 
 class RolloutProducer:
@@ -127,7 +116,7 @@ class RolloutProducer:
                 cfg.model,
                 self.tokenizer.id,
                 cfg.checkpoint_roots,
-                self.server.swap,
+                self._swap,
             )
         self._rng = random.Random(cfg.seed)
         self._env_name = env_name(cfg.env, cfg.env_kwargs)
@@ -138,23 +127,15 @@ class RolloutProducer:
         self.last_failure = ""
         #: why the producer gave up (raised by ``run`` once everything is flushed)
         self.failure: ProducerFailedError | None = None
-        self._sync_version = 0
-        self._sync_started = 0
         self._started = time.monotonic()
-        self._settled_at_poll = 0  # records settled when the last lag poll began
-        self._peers: dict[str, int] = {}  # live peers and their episodes in flight
-        self._peers_unpolled = 0  # records the peers wrote since the last lag poll
-        #: no group starts before the peers are known (the heartbeats read to the end of
-        #: the log an interval after this producer's first), so that producers starting
-        #: at the same moment hear of each other first
-        self._peers_known = False
-        #: heartbeat rounds since the peers became known, and the episodes in flight this
-        #: producer announced in its last heartbeat: for its first ``JOIN_ROUNDS`` rounds a
-        #: producer holds at most one group more than it announced, so that a peer that
-        #: started at the same moment (and is not heard of yet) never finds it far beyond
-        #: its last heartbeat
-        self._rounds_known = 0
-        self._announced = 0
+        adm = cfg.admission
+        self.gate = Gate(adm.max_staleness, adm.trainer_batch, cfg.group_size, cfg.sync_batch)
+        #: set when something happened that may let a group start (see the module docstring)
+        self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        #: the newest version handed to the policy (rlstream's engine applies it before
+        #: its next decode step: an episode started now samples with it)
+        self._handed = -1
 
     @property
     def version(self) -> int:
@@ -162,99 +143,28 @@ class RolloutProducer:
 
     def stop(self) -> None:
         self.stop_event.set()
+        self._poke()
+
+    def _poke(self) -> None:
+        """Wake the loop that starts episodes (from any thread)."""
+        loop, wake = self._loop, self._wake
+        if loop is None or wake is None:
+            return
+        try:
+            loop.call_soon_threadsafe(wake.set)
+        except RuntimeError:  # the loop has closed
+            pass
+
+    def _swap(self, state: object, version: int) -> None:
+        """New weights for the policy (from the weights thread); the versions behind, and
+        synchronous mode's batch, change with them."""
+        self.server.swap(state, version)
+        self._handed = max(self._handed, version)
+        self._poke()
 
     def samples(self) -> list[Sample]:
         """This producer's figures for Prometheus (read at scrape time)."""
-        st, w = self.stats, self.writer
-        finished = dict(st.finished)
-        done = sum(finished.values())
-        out = [
-            Sample(
-                "rlstream_producer_episodes_total",
-                n,
-                "counter",
-                "episodes finished, by status (ok, truncated, timeout, env_error)",
-                {"status": status},
-            )
-            for status, n in sorted(finished.items())
-        ]
-        out += [
-            Sample(
-                "rlstream_producer_episodes_in_flight",
-                st.started - done - st.dropped,
-                help="episodes running now",
-            ),
-            Sample(
-                "rlstream_producer_trajectories_per_second",
-                done / max(1e-9, time.monotonic() - self._started),
-                help="episodes finished per second since start",
-            ),
-            Sample("rlstream_producer_records_sent_total", w.sent, "counter", "records produced"),
-            Sample(
-                "rlstream_producer_records_delivered_total",
-                w.delivered,
-                "counter",
-                "records acknowledged by Kafka",
-            ),
-            Sample(
-                "rlstream_producer_delivery_failures_total",
-                w.failed,
-                "counter",
-                "records Kafka did not acknowledge",
-            ),
-            Sample(
-                "rlstream_producer_policy_version", self.version, help="policy version sampling now"
-            ),
-            Sample(
-                "rlstream_producer_lag_records",
-                st.lag,
-                help="records not yet read by the trainer group (admission control's view)",
-            ),
-            Sample("rlstream_producer_paused", int(st.paused), help="1 while admission holds back"),
-            Sample(
-                "rlstream_producer_shared_prompt_tokens_total",
-                self.server.shared_prompt_tokens,
-                "counter",
-                "prompt tokens copied from another conversation's cache instead of prefilled",
-            ),
-            Sample(
-                "rlstream_producer_paused_seconds_total",
-                self.paused_seconds(),
-                "counter",
-                "seconds held back by admission control",
-            ),
-        ]
-        if self.weights is not None:
-            out += [
-                Sample(
-                    "rlstream_producer_weights_refused_total",
-                    n,
-                    "counter",
-                    "weight announcements refused, by reason",
-                    {"reason": reason},
-                )
-                for reason, n in sorted(dict(self.weights.refused).items())
-            ]
-            out.append(
-                Sample(
-                    "rlstream_producer_weights_loaded_total",
-                    self.weights.accepted,
-                    "counter",
-                    "weight announcements loaded",
-                )
-            )
-        for key, n in sorted(connector_stats.snapshot().items()):
-            connector, _, event = key.partition("/")
-            out.append(
-                Sample(
-                    "rlstream_connector_events_total",
-                    n,
-                    "counter",
-                    "connector events (retries, timeouts, restarts, tool calls ...)",
-                    {"connector": connector, "event": event},
-                )
-            )
-        return out
+        return prometheus_samples(self)
 
     def run(self) -> ProducerStats:
         """Run on a new event loop until done; flushes every finished record."""
@@ -279,18 +189,20 @@ class RolloutProducer:
 
     async def _main(self) -> None:
         cfg = self.cfg
+        self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
         free = list(range(cfg.concurrency))
         running: set[asyncio.Task[None]] = set()
         members: list[GroupSlot] = []
         admission = asyncio.create_task(self._admission())
-        last_progress = time.monotonic()
+        progress = asyncio.create_task(self._progress())
         while not self.stop_event.is_set():
             if cfg.max_episodes is not None and self.stats.started >= cfg.max_episodes:
                 break
-            if free and not (members == [] and (not self._admit() or self._sync_full())):
+            self._wake.clear()
+            if free and (members or self._may_start()):
                 if not members:
                     members = self._new_group()
-                    self._sync_started += len(members)
+                    self.gate.started(len(members))
                 slot = free.pop()
                 task = asyncio.create_task(self._episode(members.pop(0), slot, free))
                 running.add(task)
@@ -299,63 +211,33 @@ class RolloutProducer:
                 task.add_done_callback(self._begun.pop)
                 self.stats.started += 1
                 continue
-            await asyncio.sleep(0.01)
-            if self.on_progress and time.monotonic() - last_progress > 1.0:
-                last_progress = time.monotonic()
-                self.on_progress(self)
+            try:  # a second at most: a cause nobody wakes the loop for costs that, no more
+                await asyncio.wait_for(self._wake.wait(), 1.0)
+            except TimeoutError:
+                pass
         await self._drain(running)
+        progress.cancel()
         admission.cancel()
-        await asyncio.gather(admission, return_exceptions=True)  # its heartbeat goodbye
+        await asyncio.gather(admission, progress, return_exceptions=True)  # heartbeat goodbye
         await close_shared()
         await self.server.aclose()
 
-    def _admit(self) -> bool:
-        """Admission control (:mod:`pipeline.rollout.admission`): may a new group start
-        now? The trainer's unread records, the ones written since the lag was polled, and
-        the episodes in flight here and at every live peer stay within the budget."""
-        adm = self.cfg.admission
-        if adm.max_staleness < 0:
-            return True
-        if not self._peers_known:
-            return False
-        st = self.stats
-        in_flight = self.in_flight
-        # Versions the trainer is ahead of the weights sampled here (one is loading, or
-        # could not be) make an episode started now that much older when trained.
-        behind = 0 if self.weights is None else max(0, self.weights.announced - self.version)
-        st.behind = behind
-        d = decide(
-            budget=max(0, adm.max_staleness - behind) * adm.trainer_batch,
-            group_size=self.cfg.group_size,
-            lag=st.lag,
-            # The polled lag counts the records Kafka held when the poll began: those
-            # this producer wrote that were not acknowledged by then count too (a record
-            # written is not in the high watermark until the cluster acknowledges it),
-            # or a slow poll or a slow broker would let it start groups on a low figure.
-            unpolled=self.writer.sent - self._settled_at_poll + self._peers_unpolled,
-            own_in_flight=in_flight,
-            peers=self._peers,
-            announced=self._announced if self._rounds_known < JOIN_ROUNDS else None,
+    async def _progress(self) -> None:
+        """``on_progress`` once a second."""
+        if self.on_progress is None:
+            return
+        while True:
+            await asyncio.sleep(1.0)
+            self.on_progress(self)
+
+    def _may_start(self) -> bool:
+        """Admission control (:class:`Gate`): may a new group start now?"""
+        return self.gate.may_start(
+            in_flight=self.in_flight,
+            sent=self.writer.sent,
+            version=max(self.version, self._handed),
+            announced_version=None if self.weights is None else self.weights.announced,
         )
-        st.share, st.peers, st.peers_in_flight = d.share, d.peers, sum(self._peers.values())
-        paused = not d.admit
-        if paused != st.paused:
-            log.debug(
-                "admission %s lag=%d in_flight=%d peers=%d peers_in_flight=%d share=%d",
-                "paused" if paused else "resumed",
-                st.lag,
-                in_flight,
-                d.peers,
-                st.peers_in_flight,
-                d.share,
-            )
-        now = time.monotonic()
-        if d.cause != st.cause:
-            if st.cause:
-                st.paused_by[st.cause] = st.paused_by.get(st.cause, 0.0) + now - st.cause_since
-            st.cause, st.cause_since = d.cause, now
-        st.paused = paused
-        return not paused
 
     def paused_seconds(self) -> float:
         """Seconds admission control has held new episodes back so far (this producer's
@@ -368,11 +250,7 @@ class RolloutProducer:
         return {cause: round(s, 3) for cause, s in self._paused_by().items()}
 
     def _paused_by(self) -> dict[str, float]:
-        st = self.stats
-        out = {cause: st.paused_by.get(cause, 0.0) for cause in CAUSES}
-        if st.cause:
-            out[st.cause] += time.monotonic() - st.cause_since
-        return out
+        return self.gate.paused_by()
 
     def in_flight_ages(self) -> dict[str, float]:
         """How long the episodes in flight have run (s): median and oldest."""
@@ -389,15 +267,6 @@ class RolloutProducer:
     def in_flight(self) -> int:
         st = self.stats
         return st.started - sum(st.finished.values()) - st.dropped
-
-    def _sync_full(self) -> bool:
-        """Synchronous mode: this version's batch is started; wait for the next one."""
-        if self.cfg.sync_batch is None:
-            return False
-        if self.version != self._sync_version:
-            self._sync_version, self._sync_started = self.version, 0
-        self.stats.waiting = self._sync_started >= self.cfg.sync_batch
-        return self.stats.waiting
 
     async def _drain(self, running: set[asyncio.Task[None]]) -> None:
         if running:
@@ -441,17 +310,24 @@ class RolloutProducer:
                 free.append(slot)
             self._check_exactness(t)
             try:
-                self.writer.write(t)
+                await self._write(t)
                 status = t.status
             except InvalidTrajectoryError as e:  # e.g. a policy that sampled NaN
-                self._failed(member, f"record refused: {e}")
+                await self._failed(member, f"record refused: {e}")
         except asyncio.CancelledError:  # dropped after the grace period: counted there
             raise
         except Exception as e:
             log.warning("episode failed group=%s error=%r", member.group_id, e)
-            self._failed(member, f"{type(e).__name__}: {e}")
+            await self._failed(member, f"{type(e).__name__}: {e}")
         self.stats.finished[status] += 1
         self._note_outcome(status)
+        self._poke()
+
+    async def _write(self, t: Trajectory) -> None:
+        """Write a record; when the client's local queue is full, wait for room in a
+        thread, not on the event loop (the other episodes go on meanwhile)."""
+        if not self.writer.write(t, wait=False):
+            await asyncio.to_thread(self.writer.write, t)
 
     def _check_exactness(self, t: Trajectory) -> None:
         """Count whether the record's tokens are those of its conversation rendered at
@@ -468,14 +344,14 @@ class RolloutProducer:
                 t.trajectory_id,
             )
 
-    def _failed(self, member: GroupSlot, error: str) -> None:
+    async def _failed(self, member: GroupSlot, error: str) -> None:
         self.stats.failed += 1
         self.last_failure = error[:500]
         record = failed_trajectory(
             member, self._env_name, self.tokenizer.id, self.cfg.producer_id, error
         )
         try:
-            self.writer.write(record)
+            await self._write(record)
         except Exception as e:  # counted, and the run of failures stops the producer
             log.error("failed episode's record not written group=%s error=%r", member.group_id, e)
 
@@ -519,26 +395,26 @@ class RolloutProducer:
                 try:
                     settled = self.writer.settled()
                     heartbeats.mark_poll()
-                    self.stats.lag = await asyncio.to_thread(monitor.lag)
-                    self._settled_at_poll = settled
+                    self.gate.polled(await asyncio.to_thread(monitor.lag), settled)
+                    self._poke()
                 except confluent_kafka.KafkaException as e:  # e.g. coordinator loading
                     log.warning("lag unknown, keeping the last value: %s", e)
                 try:
                     # Peers count a record in their lag poll once it is acknowledged:
                     # until then it counts as in flight here.
                     in_flight, settled = self.in_flight, self.writer.settled()
-                    self._peers, self._peers_unpolled = await asyncio.to_thread(
+                    peers, unpolled = await asyncio.to_thread(
                         self._exchange,
                         heartbeats,
                         in_flight + self.writer.sent - settled,
                         settled,
-                        self.stats.share,
+                        self.gate.share,
                     )
-                    self._announced = in_flight
-                    self._rounds_known += self._peers_known
+                    self.gate.heard(peers, unpolled, in_flight, heartbeats.ready)
+                    self._poke()
                 except confluent_kafka.KafkaException as e:
                     log.warning("heartbeats not exchanged, keeping the last peers: %s", e)
-                self._peers_known = self._peers_known or heartbeats.ready
+                    self.gate.peers_known = self.gate.peers_known or heartbeats.ready
                 await asyncio.sleep(adm.poll_s)
         except asyncio.CancelledError:
             pass

@@ -9,32 +9,33 @@ from pathlib import Path
 from typing import Any
 
 from connectors import stats as connector_stats
+from pipeline.observe.prometheus import Sample
 
 
 def status_line(producer: Any) -> dict[str, Any]:
     """What a producer reports about itself now."""
-    st = producer.stats
+    st, gate = producer.stats, producer.gate
     done = sum(st.finished.values())
     return {
         "time": time.time(),
         "producer_id": producer.cfg.producer_id,
         "episodes": done,
         "in_flight": st.started - done - st.dropped,
-        "paused": st.paused,
+        "paused": gate.paused,
         "paused_s": round(producer.paused_seconds(), 3),
         "paused_by": producer.paused_by(),
         "in_flight_age_s": producer.in_flight_ages(),
         "running_s": round(producer.running_seconds(), 3),
-        "waiting": st.waiting,
-        "lag": st.lag,
+        "waiting": gate.waiting,
+        "lag": gate.lag,
         "version": producer.version,
         "sent": producer.writer.sent,
         "delivered": producer.writer.delivered,
         "failed": producer.writer.failed,
-        "budget_share": st.share,
-        "peers": st.peers,
-        "peers_in_flight": st.peers_in_flight,
-        "behind": st.behind,
+        "budget_share": gate.share,
+        "peers": gate.peer_count,
+        "peers_in_flight": sum(gate.peers.values()),
+        "behind": gate.behind,
         "shared_prompt_tokens": producer.server.shared_prompt_tokens,
         "exactness_checked": producer.exactness.checked,
         "rewritten_turns": producer.exactness.rewritten_turns,
@@ -54,6 +55,104 @@ def _server(policy: Any) -> dict[str, Any]:
         "server_cut_turns": policy.cut_turns,
         "server_failures": dict(policy.failures),
     }
+
+
+def prometheus_samples(producer: Any) -> list[Sample]:
+    """A producer's figures for Prometheus (read at scrape time)."""
+    st, w = producer.stats, producer.writer
+    finished = dict(st.finished)
+    done = sum(finished.values())
+    out = [
+        Sample(
+            "rlstream_producer_episodes_total",
+            n,
+            "counter",
+            "episodes finished, by status (ok, truncated, timeout, env_error)",
+            {"status": status},
+        )
+        for status, n in sorted(finished.items())
+    ]
+    out += [
+        Sample(
+            "rlstream_producer_episodes_in_flight",
+            st.started - done - st.dropped,
+            help="episodes running now",
+        ),
+        Sample(
+            "rlstream_producer_trajectories_per_second",
+            done / max(1e-9, producer.running_seconds()),
+            help="episodes finished per second since start",
+        ),
+        Sample("rlstream_producer_records_sent_total", w.sent, "counter", "records produced"),
+        Sample(
+            "rlstream_producer_records_delivered_total",
+            w.delivered,
+            "counter",
+            "records acknowledged by Kafka",
+        ),
+        Sample(
+            "rlstream_producer_delivery_failures_total",
+            w.failed,
+            "counter",
+            "records Kafka did not acknowledge",
+        ),
+        Sample(
+            "rlstream_producer_policy_version", producer.version, help="policy version sampling now"
+        ),
+        Sample(
+            "rlstream_producer_lag_records",
+            producer.gate.lag,
+            help="records not yet read by the trainer group (admission control's view)",
+        ),
+        Sample(
+            "rlstream_producer_paused",
+            int(producer.gate.paused),
+            help="1 while admission holds back",
+        ),
+        Sample(
+            "rlstream_producer_shared_prompt_tokens_total",
+            producer.server.shared_prompt_tokens,
+            "counter",
+            "prompt tokens copied from another conversation's cache instead of prefilled",
+        ),
+        Sample(
+            "rlstream_producer_paused_seconds_total",
+            producer.paused_seconds(),
+            "counter",
+            "seconds held back by admission control",
+        ),
+    ]
+    if producer.weights is not None:
+        out += [
+            Sample(
+                "rlstream_producer_weights_refused_total",
+                n,
+                "counter",
+                "weight announcements refused, by reason",
+                {"reason": reason},
+            )
+            for reason, n in sorted(dict(producer.weights.refused).items())
+        ]
+        out.append(
+            Sample(
+                "rlstream_producer_weights_loaded_total",
+                producer.weights.accepted,
+                "counter",
+                "weight announcements loaded",
+            )
+        )
+    for key, n in sorted(connector_stats.snapshot().items()):
+        connector, _, event = key.partition("/")
+        out.append(
+            Sample(
+                "rlstream_connector_events_total",
+                n,
+                "counter",
+                "connector events (retries, timeouts, restarts, tool calls ...)",
+                {"connector": connector, "event": event},
+            )
+        )
+    return out
 
 
 class StatusFile:

@@ -14,8 +14,8 @@ from confluent_kafka import TopicPartition
 
 from pipeline.kafka.client import KafkaConfig
 from pipeline.kafka.topics import ensure_topics, namespace_topics, producers_topic, rollout_topic
-from pipeline.rollout.admission import Heartbeats
 from pipeline.rollout.config import AdmissionConfig
+from pipeline.rollout.peers import Heartbeats
 from pipeline.rollout.producer import RolloutProducer
 from tests.integration.test_producer import producer_config, run_in_thread, wait_for
 from tests.integration.test_run import ROOT, run_command
@@ -112,7 +112,7 @@ def test_two_producers_together_stay_within_one_budget(kafka: KafkaConfig, names
     threads = [run_in_thread(p) for p in producers]
     wait_for(lambda: sum(p.writer.sent for p in producers) >= 16, 120)  # the budget, written
     time.sleep(4.0)  # long enough for any overshoot to show
-    assert all(p.stats.paused for p in producers)
+    assert all(p.gate.paused for p in producers)
     for p in producers:
         p.stop()
     for t in threads:
@@ -122,7 +122,7 @@ def test_two_producers_together_stay_within_one_budget(kafka: KafkaConfig, names
     assert written == sum(started)  # every started episode was written
     assert 16 <= written <= 16 + 4, started  # one group of slack at most
     assert all(n > 0 for n in started)  # both had a share
-    assert max(p.stats.share for p in producers) == 8  # the budget split in two
+    assert max(p.gate.share for p in producers) == 8  # the budget split in two
     consumer = kafka.consumer(None)
     low, high = consumer.get_watermark_offsets(
         TopicPartition(rollout_topic(namespace, "guess"), 0), timeout=10

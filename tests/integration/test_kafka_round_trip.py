@@ -205,3 +205,21 @@ def _announcement(version: int) -> dict[str, object]:
         "trainer_id": "trainer-0",
         "metrics": {"loss": 0.5},
     }
+
+
+def test_a_full_local_queue_refuses_a_write_that_may_not_wait(
+    kafka: KafkaConfig, namespace: str
+) -> None:
+    ensure_topics(kafka, namespace_topics(namespace, ["math"], 1))
+    # room for one record in the client's queue, kept there for a minute
+    writer = TrajectoryWriter(
+        kafka, namespace, **{"queue.buffering.max.messages": 1, "linger.ms": 60_000}
+    )
+    first, second = (make_trajectory(50, env="math", group_id=f"g{i}") for i in range(2))
+    assert writer.write(first, wait=False)
+    assert not writer.write(second, wait=False)  # nothing written, nothing counted
+    assert writer.sent == 1
+    writer.flush(30)
+    assert writer.write(second, wait=False) and writer.sent == 2
+    writer.flush(30)
+    assert writer.delivered == 2 and writer.failed == 0

@@ -223,11 +223,11 @@ def test_admission_control_pauses_until_the_trainer_catches_up(
     adm = AdmissionConfig(max_staleness=2, trainer_batch=4, poll_s=0.2)
     producer = RolloutProducer(producer_config(namespace, admission=adm, concurrency=4), kafka)
     th = run_in_thread(producer)
-    wait_for(lambda: producer.stats.paused, 60)
+    wait_for(lambda: producer.gate.paused, 60)
     time.sleep(2.0)
     started_while_paused = producer.stats.started
     time.sleep(2.0)
-    assert producer.stats.paused
+    assert producer.gate.paused
     assert producer.stats.started == started_while_paused  # nothing starts while paused
     # the "trainer" commits everything: lag drains, production resumes
     topic = rollout_topic(namespace, "guess")

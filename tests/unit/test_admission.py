@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipeline.rollout.admission import JOIN_ROUNDS, decide
+from pipeline.rollout.admission import JOIN_ROUNDS, Gate, decide
 
 
 def test_one_producer_fills_the_budget_and_no_more() -> None:
@@ -128,3 +128,86 @@ def test_a_decision_names_what_holds_the_producer_back() -> None:
         budget=64, group_size=8, lag=0, unpolled=0, own_in_flight=16, peers={"b": 0}, announced=8
     )
     assert not d.admit and d.cause == "joining"
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _ready_gate(clock: _Clock, **kw: int) -> Gate:
+    """A gate of budget 2 x 16 (groups of 4) whose peers are known and past joining."""
+    gate = Gate(max_staleness=2, trainer_batch=16, group_size=4, clock=clock, **kw)
+    for _ in range(JOIN_ROUNDS + 1):
+        gate.heard({}, 0, 0, ready=True)
+    return gate
+
+
+def test_the_gate_holds_every_group_until_the_peers_are_known() -> None:
+    gate = Gate(max_staleness=2, trainer_batch=16, group_size=4, clock=_Clock())
+    assert not gate.may_start(in_flight=0, sent=0, version=0, announced_version=None)
+    gate.heard({}, 0, 0, ready=False)
+    assert not gate.may_start(in_flight=0, sent=0, version=0, announced_version=None)
+    gate.heard({}, 0, 0, ready=True)
+    assert gate.may_start(in_flight=0, sent=0, version=0, announced_version=None)
+    # joining: at most one group beyond what the last heartbeat announced (0)
+    assert not gate.may_start(in_flight=4, sent=0, version=0, announced_version=None)
+    assert gate.paused_by()["joining"] == 0.0  # no time has passed on its clock yet
+
+
+def test_the_gate_counts_records_written_since_the_poll_and_versions_behind() -> None:
+    clock = _Clock()
+    gate = _ready_gate(clock)
+    gate.polled(lag=20, settled=10)
+    # 20 unread + (18 - 10) written since the poll + 0 in flight = 28: one group fits 32
+    assert gate.may_start(in_flight=0, sent=18, version=5, announced_version=5)
+    assert not gate.may_start(in_flight=0, sent=19, version=5, announced_version=5)
+    assert gate.paused and gate.share == 32
+    # one version behind: the budget is one batch, which the backlog already fills
+    gate.polled(lag=0, settled=19)
+    assert gate.may_start(in_flight=0, sent=19, version=5, announced_version=5)
+    assert not gate.may_start(in_flight=16, sent=19, version=4, announced_version=5)
+    assert gate.behind == 1
+    assert not gate.may_start(in_flight=0, sent=19, version=3, announced_version=5)
+    assert gate.behind == 2 and gate.share == 0
+
+
+def test_the_gate_times_each_pause_by_its_cause_on_its_own_clock() -> None:
+    clock = _Clock()
+    gate = _ready_gate(clock)
+    gate.polled(lag=30, settled=0)  # 30 unread of 32: no room for a group of 4
+    assert not gate.may_start(in_flight=0, sent=0, version=0, announced_version=None)
+    clock.now += 2.5
+    gate.polled(lag=8, settled=0)  # the trainer read; episodes in flight now hold the room
+    assert not gate.may_start(in_flight=24, sent=0, version=0, announced_version=None)
+    clock.now += 1.0
+    assert gate.paused_by() == {
+        "weights_behind": 0.0,
+        "untrained": 2.5,
+        "in_flight": 1.0,
+        "joining": 0.0,
+    }
+    assert gate.may_start(in_flight=8, sent=0, version=0, announced_version=None)
+    clock.now += 7.0  # not paused: no time is added
+    assert gate.paused_by()["in_flight"] == 1.0 and not gate.paused
+
+
+def test_synchronous_mode_is_a_batch_per_policy_version() -> None:
+    gate = Gate(max_staleness=-1, trainer_batch=16, group_size=4, sync_batch=8)
+    for _ in range(2):
+        assert gate.may_start(in_flight=0, sent=0, version=0, announced_version=0)
+        gate.started(4)
+    assert not gate.may_start(in_flight=8, sent=0, version=0, announced_version=0)
+    assert gate.waiting
+    # the next version is loaded: the next batch may start, whatever is in flight
+    assert gate.may_start(in_flight=8, sent=0, version=1, announced_version=1)
+    assert not gate.waiting
+
+
+def test_without_admission_control_every_group_may_start() -> None:
+    gate = Gate(max_staleness=-1, trainer_batch=16, group_size=4)
+    gate.polled(lag=10_000, settled=0)
+    assert gate.may_start(in_flight=10_000, sent=0, version=0, announced_version=9)
