@@ -71,7 +71,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
         if status is not None:
             status.write(p)
         print(
-            f"episodes={done} rate={rate:.1f}/s in_flight={st.started - done - st.dropped} "
+            f"episodes={done} rate={rate:.1f}/s in_flight={p.in_flight} "
             f"paused={'yes' if p.gate.paused else 'no'} lag={p.gate.lag} version={p.version} "
             f"sent={p.writer.sent} failed={p.writer.failed}",
             flush=True,

@@ -148,10 +148,9 @@ class Gate:
         #: its last heartbeat
         self.rounds_known = 0
         self.announced = 0
-        #: the last decision's figures: this producer's share of the budget, the live
-        #: peers and their episodes in flight, versions its weights are behind
+        #: the last decision's figures: this producer's share of the budget, versions its
+        #: weights are behind
         self.share = 0
-        self.peer_count = 0
         self.behind = 0
         self.paused = False
         #: synchronous mode: this version's batch is started, waiting for the next version
@@ -211,7 +210,7 @@ class Gate:
             peers=self.peers,
             announced=self.announced if self.rounds_known < JOIN_ROUNDS else None,
         )
-        self.share, self.peer_count = d.share, d.peers
+        self.share = d.share
         now = self.clock()
         if d.cause != self._cause:
             if self._cause:

@@ -242,15 +242,12 @@ class RolloutProducer:
     def paused_seconds(self) -> float:
         """Seconds admission control has held new episodes back so far (this producer's
         clock, a pause under way included)."""
-        return sum(self._paused_by().values())
+        return sum(self.gate.paused_by().values())
 
     def paused_by(self) -> dict[str, float]:
         """:meth:`paused_seconds` by cause (see :data:`pipeline.rollout.admission.CAUSES`),
         rounded to the millisecond."""
-        return {cause: round(s, 3) for cause, s in self._paused_by().items()}
-
-    def _paused_by(self) -> dict[str, float]:
-        return self.gate.paused_by()
+        return {cause: round(s, 3) for cause, s in self.gate.paused_by().items()}
 
     def in_flight_ages(self) -> dict[str, float]:
         """How long the episodes in flight have run (s): median and oldest."""

@@ -20,7 +20,7 @@ def status_line(producer: Any) -> dict[str, Any]:
         "time": time.time(),
         "producer_id": producer.cfg.producer_id,
         "episodes": done,
-        "in_flight": st.started - done - st.dropped,
+        "in_flight": producer.in_flight,
         "paused": gate.paused,
         "paused_s": round(producer.paused_seconds(), 3),
         "paused_by": producer.paused_by(),
@@ -33,7 +33,7 @@ def status_line(producer: Any) -> dict[str, Any]:
         "delivered": producer.writer.delivered,
         "failed": producer.writer.failed,
         "budget_share": gate.share,
-        "peers": gate.peer_count,
+        "peers": len(gate.peers),
         "peers_in_flight": sum(gate.peers.values()),
         "behind": gate.behind,
         "shared_prompt_tokens": producer.server.shared_prompt_tokens,
@@ -75,7 +75,7 @@ def prometheus_samples(producer: Any) -> list[Sample]:
     out += [
         Sample(
             "rlstream_producer_episodes_in_flight",
-            st.started - done - st.dropped,
+            producer.in_flight,
             help="episodes running now",
         ),
         Sample(
