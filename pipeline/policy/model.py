@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pipeline.policy import native_attention
 from pipeline.policy.config import ModelConfig
 
 
@@ -110,6 +111,10 @@ class Block(nnx.Module):
         # grouped-query attention: query head h reads key-value head h // group
         group = cfg.num_heads // kvh
         q = q.reshape(b, kvh, group, t, hd)
+        if k_cache is not None and v_cache is not None and native_attention.usable(q, keys):
+            # a decode step (one token per row) on CPU: the native kernel, same result
+            y = native_attention.decode_attention(q, keys, values, positions[:, 0])
+            return self._feed_forward(x, y.reshape(b, t, cfg.num_heads * hd), k_cache, v_cache)
         scores = jnp.einsum("bkgqd,bksd->bkgqs", q, keys).astype(jnp.float32) * hd**-0.5
         causal = key_pos[:, None, None, None, :] <= positions[:, None, None, :, None]
         if segments is not None:  # packed rows: each token attends within its own segment
@@ -117,9 +122,14 @@ class Block(nnx.Module):
         scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
         attn = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
         y = jnp.einsum("bkgqs,bksd->bqkgd", attn, values).reshape(b, t, cfg.num_heads * hd)
+        return self._feed_forward(x, y, k_cache, v_cache)
+
+    def _feed_forward(
+        self, x: jax.Array, y: jax.Array, k_cache: jax.Array | None, v_cache: jax.Array | None
+    ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
         x = x + self.out(y)
         h = self.norm2(x)
-        if cfg.gated:
+        if self.cfg.gated:
             h = jax.nn.silu(self.gate(h)) * self.up(h)
         else:
             h = jax.nn.gelu(self.up(h))

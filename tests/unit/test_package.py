@@ -69,6 +69,7 @@ def test_wheel_ships_schemas_and_works_without_the_source_tree(tmp_path: Path) -
     for schema in ("Trajectory", "Tensor", "WeightsAnnouncement", "DeadLetter", "Telemetry"):
         assert f"pipeline/schemas/{schema}.avsc" in names
     assert "pipeline/py.typed" in names and "pipeline/kafka_runtime/pom.xml" in names
+    assert "pipeline/policy/_attention_native.cc" in names  # compiled on first use
     assert not any(n.endswith(".jar") for n in names)
     for module in ("_avro_native", "_contract_native"):  # the C codec, compiled
         assert any(n.startswith(f"pipeline/records/{module}.") and n.endswith(".so") for n in names)
