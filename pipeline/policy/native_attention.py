@@ -8,9 +8,9 @@ on XLA's intra-op thread pool.
 
 It is compiled on first use with the machine's C++ compiler against the XLA FFI headers
 that jaxlib ships (``-O3 -march=native``: the .so is kept per source, jaxlib version and
-CPU under ``$XDG_CACHE_HOME/rlstream/native``). Where there is no compiler, the build
-fails or ``RLSTREAM_NATIVE_ATTENTION=0`` is set, the model uses its einsum path, which
-computes the same thing (tests/unit/test_native_attention.py compares the two).
+CPU under ``$XDG_CACHE_HOME/rlstream/native``, else the temporary folder). Where there is
+no compiler, the build fails or ``RLSTREAM_NATIVE_ATTENTION=0`` is set, the model uses its
+einsum path, which computes the same thing (tests/unit/test_native_attention.py compares the two).
 """
 
 from __future__ import annotations
@@ -55,8 +55,13 @@ def _library_path() -> Path:
     for part in (SOURCE.read_bytes(), jaxlib.__version__.encode(), " ".join(FLAGS).encode(),
                  _cpu_signature().encode()):  # fmt: skip
         key.update(part)
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return root / "rlstream" / "native" / f"attention-{key.hexdigest()[:16]}.so"
+    name = f"attention-{key.hexdigest()[:16]}.so"
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rlstream" / "native"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError:  # a read-only home: the machine's temporary folder, per user
+        root = Path(tempfile.gettempdir()) / f"rlstream-native-{os.getuid()}"
+    return root / name
 
 
 def _build(target: Path) -> None:
