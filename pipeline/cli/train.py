@@ -89,6 +89,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             "version": trainer.version,
             "drops": dict(trainer.drops),
             "deadlettered": trainer.deadlettered,
+            "partial_groups": trainer.partial_groups,
         }
     }
     print_result(args, result, f"trainer {cfg.trainer_id} stopped at step {step}")

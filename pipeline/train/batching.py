@@ -1,10 +1,12 @@
 """From decoded trajectories to fixed-shape GRPO batches.
 
 :class:`GroupBuffer` holds trajectories until their GRPO group is complete (an incomplete
-group past its timeout is dropped; the buffer is bounded and drops its oldest groups when
-full). A member that repeats a group index or a trajectory id already in its group, or
-arrives for a group completed recently, is refused as ``duplicate``; one of another
-environment than its group as ``env_mismatch``: the caller settles it with that reason.
+group past its timeout is dropped; with a deadline, one that has enough members by then
+is trained with them and its later members are refused as ``late``; the buffer is bounded
+and drops its oldest groups when full). A member that repeats a group index or a
+trajectory id already in its group, or arrives for a group completed recently, is refused
+as ``duplicate``; one of another environment than its group as ``env_mismatch``: the
+caller settles it with that reason.
 :func:`assemble` turns complete groups into a :class:`~pipeline.train.grpo.Batch` of
 one trajectory per row padded to a length bucket; :func:`pack` puts several trajectories
 in each row (segments), in one of a handful of row counts. Either way the jitted step
@@ -58,8 +60,9 @@ class Group:
 
 class Refused(NamedTuple):
     """A member the buffer would not take: ``duplicate`` or ``env_mismatch`` (an invalid
-    member, dead-lettered), or ``group_refused`` (a valid member of a group that can no
-    longer complete, dropped)."""
+    member, dead-lettered), ``group_refused`` (a valid member of a group that can no
+    longer complete, dropped) or ``late`` (a valid member of a group trained without it
+    at its deadline, dropped)."""
 
     reason: str
     detail: str
@@ -72,14 +75,16 @@ def _in_partitions(g: Group, tps: set[tuple[str, int]]) -> bool:
 class GroupBuffer:
     """Trajectories waiting for the rest of their group. ``add`` returns the group if it
     just became complete, a :class:`Refused` for a member that cannot join it, or None;
-    ``expired``/``overflow`` return groups to drop. The ids of the last ``remember``
+    ``expired``/``overflow`` return groups to drop, ``due`` incomplete groups to train as
+    they are. The ids of the last ``remember``
     completed groups are kept, so that a late repeat of a trained group is refused."""
 
     def __init__(self, max_records: int, timeout_s: float, remember: int = 65536) -> None:
         self.max_records = max_records
         self.timeout_s = timeout_s
         self._groups: OrderedDict[str, Group] = OrderedDict()
-        self._done: OrderedDict[str, None] = OrderedDict()
+        #: groups handed out, each with its members' indices if it went partial
+        self._done: OrderedDict[str, frozenset[int] | None] = OrderedDict()
         #: groups that lost a member to a refusal, and why: they can never complete
         self._refused: OrderedDict[str, str] = OrderedDict()
         self._remember = remember
@@ -87,6 +92,9 @@ class GroupBuffer:
 
     def add(self, t: Trajectory, where: Coordinates) -> Group | Refused | None:
         if t.group_id in self._done:
+            trained = self._done[t.group_id]
+            if trained is not None and t.group_index not in trained:
+                return Refused("late", f"group {t.group_id[:80]} went to training without it")
             return Refused("duplicate", f"group {t.group_id[:80]} is already complete")
         why = self._refused.get(t.group_id)
         if why is not None:
@@ -106,12 +114,28 @@ class GroupBuffer:
         g.ids.add(t.trajectory_id)
         self.records += 1
         if g.complete:
-            self._remove(g.group_id)
-            self._done[g.group_id] = None
-            if len(self._done) > self._remember:
-                self._done.popitem(last=False)
+            self._hand_out(g.group_id)
             return g
         return None
+
+    def _hand_out(self, gid: str, partial: bool = False) -> Group:
+        g = self._remove(gid)
+        self._done[gid] = frozenset(g.members) if partial else None
+        if len(self._done) > self._remember:
+            self._done.popitem(last=False)
+        return g
+
+    def due(self, deadline_s: float, min_members: int, now: float | None = None) -> list[Group]:
+        """Groups still incomplete ``deadline_s`` after their first member arrived that
+        hold at least ``min_members``: handed out to be trained as they are; a member of
+        one that arrives later is refused as ``late``."""
+        now = time.monotonic() if now is None else now
+        due = [
+            gid
+            for gid, g in self._groups.items()
+            if now - g.first_seen > deadline_s and len(g.members) >= min_members
+        ]
+        return [self._hand_out(gid, partial=True) for gid in due]
 
     def _remove(self, gid: str) -> Group:
         g = self._groups.pop(gid)

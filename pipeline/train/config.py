@@ -257,6 +257,12 @@ class TrainerConfig:
     max_staleness: int = 2
     #: drop a group still incomplete after this long (s)
     group_timeout_s: float = 120.0
+    #: train a group this long (s) after its first member arrived with the members that
+    #: have arrived, if at least min_group_members have (advantages over them); members
+    #: that arrive later are dropped as ``late``. 0: wait for the whole group
+    group_deadline_s: float = 0.0
+    #: the fewest members a group is trained with at its deadline
+    min_group_members: int = 2
     #: train a partial batch (padding rows) when no full one came for this long (s)
     batch_timeout_s: float = 30.0
     #: padded sequence lengths (each must fit the model's max_len); a packed batch's rows
@@ -356,6 +362,14 @@ class TrainerConfig:
         ):
             check_range(name, value, low, above=above)
         check_range("min_logprob", self.min_logprob, high=0.0)
+        if self.group_deadline_s:
+            check_range("group_deadline_s", self.group_deadline_s, 0, above=True)
+            if self.group_deadline_s >= self.group_timeout_s:
+                raise InvalidConfigError(
+                    f"group_deadline_s {self.group_deadline_s:g} must be shorter than "
+                    f"group_timeout_s {self.group_timeout_s:g}: the group would be dropped first"
+                )
+            check_range("min_group_members", self.min_group_members, 2, high=self.group_size)
         if self.buckets == ():
             object.__setattr__(self, "buckets", default_buckets(self.model.max_len))
         if not self.buckets or min(self.buckets) < 2:

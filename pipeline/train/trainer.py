@@ -142,6 +142,8 @@ class Trainer(PartitionReading):
         self.buffer = GroupBuffer(cfg.max_buffered, cfg.group_timeout_s)
         self.ready = GroupQueue(cfg.env_weights)
         self.drops: Counter[str] = Counter()
+        #: groups trained without all their members, at their deadline
+        self.partial_groups = 0
         self.drops_by_env: Counter[str] = Counter()
         self.stale_ranges = StaleRanges(kafka)
         self.nonfinite_steps = 0  # steps not applied (non-finite loss or gradient)
@@ -304,8 +306,8 @@ class Trainer(PartitionReading):
                 self.timers["consume"] += t1 - t0
                 self.timers["intake"] += time.perf_counter() - t1
                 # a group may be complete but for a member held for the registry
-                for g in self.buffer.expired() if self.source is None and not self.held else ():
-                    self._drop_group(g, "incomplete_group")
+                if self.source is None and not self.held:
+                    self._expire_groups()
                 for g in self.buffer.overflow():
                     self._drop_group(g, "buffer_full")
                 if time.monotonic() - last_skip_check > 2.0:
@@ -450,7 +452,7 @@ class Trainer(PartitionReading):
                 return self._release_group(m, t.group_id, reason)
         group = self.buffer.add(t, where)
         if isinstance(group, Refused):
-            if group.reason != "group_refused":  # (a valid member of a lost group)
+            if group.reason not in ("group_refused", "late"):  # (valid members: dropped)
                 self.dead_letters.send(m, RecordDecodeError(group.reason, group.detail))
             return self._drop(t.trajectory_id, where, group.reason, env)
         if group is not None:
@@ -482,6 +484,17 @@ class Trainer(PartitionReading):
         group = self.buffer.refuse_group(gid, reason)
         if group is not None:
             self._drop_group(group, "group_refused")
+
+    def _expire_groups(self, now: float | None = None) -> None:
+        """Incomplete groups past ``group_deadline_s`` with enough members go to training
+        as they are; those past ``group_timeout_s`` are dropped."""
+        if self.cfg.group_deadline_s:
+            for g in self.buffer.due(self.cfg.group_deadline_s, self.cfg.min_group_members, now):
+                self.partial_groups += 1
+                metric("partial_group", 1, env=g.env, members=str(len(g.members)))
+                self.ready.put(g)
+        for g in self.buffer.expired(now):
+            self._drop_group(g, "incomplete_group")
 
     def _drop_group(self, g: Any, reason: str) -> None:
         for mem in g.members.values():
@@ -576,6 +589,7 @@ class Trainer(PartitionReading):
                 # share of tool calls that came back as errors (0 where none was made)
                 "tool_error_rate": {e: tool_error_rate(ts) for e, ts in by_env.items()},
                 "drops": dict(self.drops),
+                "partial_groups": self.partial_groups,
                 "lag": self._lag(),
             }
         )

@@ -266,6 +266,81 @@ def test_a_refused_member_releases_its_group_at_once(tmp_path: Path) -> None:
     assert "incomplete_group" not in trainer.drops
 
 
+def test_a_partial_group_trains_at_its_deadline_and_its_late_members_are_dropped(
+    tmp_path: Path,
+) -> None:
+    """With ``group_deadline_s``, a group that has ``min_group_members`` by its deadline
+    goes to training with them (advantages over the members present); a member arriving
+    after that is dropped as ``late``, settled, and not a dead letter; a group with
+    fewer members waits and is dropped at ``group_timeout_s`` as before."""
+    from pipeline.kafka.message import Record
+    from pipeline.train.batching import assemble
+    from pipeline.train.config import TrainerConfig
+    from pipeline.train.trainer import Trainer
+
+    class Source:
+        exhausted = False
+
+        def subscribe(self, topics: Any, on_assign: Any, on_revoke: Any) -> None:
+            pass
+
+    cfg = TrainerConfig(
+        namespace="ns",
+        run_dir=tmp_path,
+        buckets=(64,),
+        model=CFG,
+        group_size=4,
+        group_timeout_s=60,
+        group_deadline_s=5,
+        min_group_members=3,
+    )
+    trainer = Trainer(cfg, None, source=Source())
+    rng = np.random.default_rng(7)
+    offset = iter(range(100))
+
+    def send(gid: str, index: int, reward: float) -> None:
+        t = group_member(gid, index, rng, reward=reward)
+        trainer._intake(
+            Record("ns.rollouts.math", 0, next(offset), 0, gid.encode(), CODEC.encode(t))
+        )
+
+    for i, reward in enumerate((1.0, 0.0, 0.0)):
+        send("slow", i, reward)
+    send("sparse", 0, 1.0)
+    send("sparse", 1, 0.0)
+    start = min(g.first_seen for g in trainer.buffer)
+    trainer._expire_groups(now=start + 1.0)
+    assert len(trainer.ready) == 0 and trainer.partial_groups == 0
+    trainer._expire_groups(now=start + 6.0)
+    assert len(trainer.ready) == 1 and trainer.partial_groups == 1
+    (group,) = trainer.ready.take(1)
+    assert group.group_id == "slow" and sorted(group.members) == [0, 1, 2]
+    batch, _ = assemble([group], 4, (64,))
+    # advantages over the three present: rewards 1, 0, 0 (mean 1/3), the padding row 0
+    adv = np.asarray(batch.advantage)
+    assert adv[0] > 0 > adv[1] and adv[1] == adv[2] and adv[3] == 0
+    assert np.asarray(batch.valid).tolist() == [1, 1, 1, 0]
+    send("slow", 3, 1.0)  # after its group went to training
+    assert trainer.drops["late"] == 1 and trainer.deadlettered == 0
+    assert trainer.tracker.is_settled(("ns.rollouts.math", 0), 5)
+    trainer._expire_groups(now=start + 61.0)  # "sparse" never had three members
+    assert trainer.drops["incomplete_group"] == 2 and trainer.partial_groups == 1
+
+
+def test_a_group_deadline_must_be_shorter_than_its_timeout_and_keep_two_members() -> None:
+    from pipeline.train.config import TrainerConfig
+
+    with pytest.raises(InvalidConfigError, match="shorter than group_timeout_s"):
+        TrainerConfig(group_deadline_s=120, group_timeout_s=60)
+    with pytest.raises(InvalidConfigError, match="min_group_members"):
+        TrainerConfig(group_deadline_s=5, min_group_members=1)
+    with pytest.raises(InvalidConfigError, match="min_group_members"):
+        TrainerConfig(group_deadline_s=5, group_size=4, min_group_members=5)
+    with pytest.raises(InvalidConfigError, match="group_deadline_s"):
+        TrainerConfig(group_deadline_s=float("nan"))
+    assert TrainerConfig(group_deadline_s=5, group_size=4, min_group_members=4)
+
+
 # ---- checkpoint directories and model configurations -----------------------------------
 
 

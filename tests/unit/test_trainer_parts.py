@@ -103,6 +103,28 @@ def test_groups_complete_expire_and_overflow() -> None:
     assert len(buf.overflow()) == 2 and buf.records == 5
 
 
+def test_a_group_past_its_deadline_goes_with_the_members_it_has() -> None:
+    buf = GroupBuffer(max_records=100, timeout_s=60)
+    ts = {
+        gid: [make_trajectory(8, group_id=gid, group_size=4, group_index=i) for i in range(4)]
+        for gid in ("two", "one", "whole")
+    }
+    for gid, n in (("two", 2), ("one", 1), ("whole", 3)):
+        for i in range(n):
+            assert buf.add(ts[gid][i], where(i)) is None
+    start = min(g.first_seen for g in buf)
+    assert buf.due(5.0, 2, now=start + 4.0) == []  # not yet
+    due = buf.due(5.0, 2, now=start + 6.0)
+    # "two" and "whole" have two members or more; "one" waits on (and expires later)
+    assert sorted((g.group_id, len(g.members)) for g in due) == [("two", 2), ("whole", 3)]
+    assert buf.records == 1 and [g.group_id for g in buf] == ["one"]
+    # a member that missed its group's deadline is late; a repeat of one trained is not
+    assert buf.add(ts["two"][3], where(9)) == Refused("late", ANY)
+    assert buf.add(ts["two"][0], where(9)) == Refused("duplicate", ANY)
+    assert buf.add(ts["whole"][3], where(9)).reason == "late"  # type: ignore[union-attr]
+    assert [g.group_id for g in buf.expired(now=start + 61.0)] == ["one"]
+
+
 def test_queue_follows_mixing_weights() -> None:
     q = GroupQueue({"a": 3.0, "b": 1.0})
     buf = GroupBuffer(100, 10)
