@@ -70,6 +70,11 @@ class RunConfig:
     #: policy versions a trajectory may lag the trainer (producers pause before, the
     #: trainer drops after)
     max_staleness: int = _T.max_staleness
+    #: train a group this long (s) after its first member arrived with the members that
+    #: have (at least min_group_members); later members are dropped as late (0: off)
+    group_deadline_s: float = _T.group_deadline_s
+    #: the fewest members a group is trained with at its deadline
+    min_group_members: int = _T.min_group_members
     #: sampling temperature of the producers
     temperature: float = SamplingConfig.temperature
     #: sampling temperature of the held-out evaluations (None: the producers'); fixed,
@@ -184,6 +189,8 @@ class RunConfig:
             groups_per_batch=self.groups_per_batch,
             group_size=self.group_size,
             max_staleness=0 if self.sync else self.max_staleness,
+            group_deadline_s=self.group_deadline_s,
+            min_group_members=self.min_group_members,
             batch_timeout_s=3600.0 if self.sync else TrainerConfig.batch_timeout_s,
             max_steps=self.steps,
             seed=self.seed,
