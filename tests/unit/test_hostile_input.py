@@ -218,38 +218,41 @@ def test_unreadable_headers_and_unforeseen_failures_become_refusals(tmp_path: Pa
     assert trainer.tracker.low(("ns.rollouts.math", 0)) == 2  # both settled
 
 
+class _Intake:
+    """A trainer without Kafka (a source that never delivers) fed records one by one
+    through its intake, as members ``index`` of groups of four ``math`` trajectories."""
+
+    def __init__(self, tmp_path: Path, seed: int, **settings: Any) -> None:
+        from pipeline.train.config import TrainerConfig
+        from pipeline.train.trainer import Trainer
+
+        class Source:
+            exhausted = False
+
+            def subscribe(self, topics: Any, on_assign: Any, on_revoke: Any) -> None:
+                pass
+
+        cfg = TrainerConfig(
+            namespace="ns", run_dir=tmp_path, buckets=(64,), model=CFG, group_size=4, **settings
+        )
+        self.trainer = Trainer(cfg, None, source=Source())
+        self.rng = np.random.default_rng(seed)
+        self.offset = iter(range(100))
+
+    def send(self, gid: str, index: int, value: bytes | None = None, **kw: Any) -> None:
+        from pipeline.kafka.message import Record
+
+        data = CODEC.encode(group_member(gid, index, self.rng, **kw)) if value is None else value
+        record = Record("ns.rollouts.math", 0, next(self.offset), 0, gid.encode(), data)
+        self.trainer._intake(record)
+
+
 def test_a_refused_member_releases_its_group_at_once(tmp_path: Path) -> None:
     """A group that lost a member to a refusal can never complete: its waiting members
     are dropped at once (``group_refused``), not held until ``group_timeout_s``, and so
     is every member that arrives after it; other groups are untouched."""
-    from pipeline.kafka.message import Record
-    from pipeline.train.config import TrainerConfig
-    from pipeline.train.trainer import Trainer
-
-    class Source:
-        exhausted = False
-
-        def subscribe(self, topics: Any, on_assign: Any, on_revoke: Any) -> None:
-            pass
-
-    cfg = TrainerConfig(
-        namespace="ns",
-        run_dir=tmp_path,
-        buckets=(64,),
-        model=CFG,
-        group_size=4,
-        group_timeout_s=600,
-    )
-    trainer = Trainer(cfg, None, source=Source())
-    rng = np.random.default_rng(5)
-    offset = iter(range(100))
-
-    def send(gid: str, index: int, value: bytes | None = None) -> None:
-        t = group_member(gid, index, rng)
-        o = next(offset)
-        data = CODEC.encode(t) if value is None else value
-        trainer._intake(Record("ns.rollouts.math", 0, o, 0, gid.encode(), data))
-
+    intake = _Intake(tmp_path, 5, group_timeout_s=600)
+    trainer, send = intake.trainer, intake.send
     for i in range(2):
         send("lost", i)
         send("sound", i)
@@ -273,36 +276,13 @@ def test_a_partial_group_trains_at_its_deadline_and_its_late_members_are_dropped
     goes to training with them (advantages over the members present); a member arriving
     after that is dropped as ``late``, settled, and not a dead letter; a group with
     fewer members waits and is dropped at ``group_timeout_s`` as before."""
-    from pipeline.kafka.message import Record
     from pipeline.train.batching import assemble
-    from pipeline.train.config import TrainerConfig
-    from pipeline.train.trainer import Trainer
 
-    class Source:
-        exhausted = False
-
-        def subscribe(self, topics: Any, on_assign: Any, on_revoke: Any) -> None:
-            pass
-
-    cfg = TrainerConfig(
-        namespace="ns",
-        run_dir=tmp_path,
-        buckets=(64,),
-        model=CFG,
-        group_size=4,
-        group_timeout_s=60,
-        group_deadline_s=5,
-        min_group_members=3,
-    )
-    trainer = Trainer(cfg, None, source=Source())
-    rng = np.random.default_rng(7)
-    offset = iter(range(100))
+    intake = _Intake(tmp_path, 7, group_timeout_s=60, group_deadline_s=5, min_group_members=3)
+    trainer = intake.trainer
 
     def send(gid: str, index: int, reward: float) -> None:
-        t = group_member(gid, index, rng, reward=reward)
-        trainer._intake(
-            Record("ns.rollouts.math", 0, next(offset), 0, gid.encode(), CODEC.encode(t))
-        )
+        intake.send(gid, index, reward=reward)
 
     for i, reward in enumerate((1.0, 0.0, 0.0)):
         send("slow", i, reward)
