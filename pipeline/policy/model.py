@@ -97,7 +97,7 @@ class Block(nnx.Module):
         # heads before positions ([B, H, T, D]): attention needs no transpose of the cache
         q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
         if k_cache is None or v_cache is None or write is None:
-            keys, values, key_pos = k, v, positions
+            keys, values, key_pos, cached = k, v, positions, False
         else:
             # write this chunk at each row's positions; rows not written aim past the end
             # of the cache, and those writes are dropped (no copy of the cache)
@@ -108,10 +108,11 @@ class Block(nnx.Module):
             v_cache = v_cache.at[rows, heads, at].set(v, mode="drop")
             keys, values = k_cache, v_cache
             key_pos = jnp.broadcast_to(jnp.arange(cfg.max_len), (b, cfg.max_len))
+            cached = True
         # grouped-query attention: query head h reads key-value head h // group
         group = cfg.num_heads // kvh
         q = q.reshape(b, kvh, group, t, hd)
-        if k_cache is not None and v_cache is not None and native_attention.usable(q, keys):
+        if cached and native_attention.usable(q, keys):
             # a decode step (one token per row) on CPU: the native kernel, same result
             y = native_attention.decode_attention(q, keys, values, positions[:, 0])
             return self._feed_forward(x, y.reshape(b, t, cfg.num_heads * hd), k_cache, v_cache)

@@ -67,6 +67,11 @@ class Refused(NamedTuple):
     reason: str
     detail: str
 
+    @property
+    def invalid(self) -> bool:
+        """An invalid record (dead-lettered), not a valid member that is only dropped."""
+        return self.reason not in ("group_refused", "late")
+
 
 def _in_partitions(g: Group, tps: set[tuple[str, int]]) -> bool:
     return any((m.where.topic, m.where.partition) in tps for m in g.members.values())
@@ -76,8 +81,8 @@ class GroupBuffer:
     """Trajectories waiting for the rest of their group. ``add`` returns the group if it
     just became complete, a :class:`Refused` for a member that cannot join it, or None;
     ``expired``/``overflow`` return groups to drop, ``due`` incomplete groups to train as
-    they are. The ids of the last ``remember``
-    completed groups are kept, so that a late repeat of a trained group is refused."""
+    they are. The ids of the last ``remember`` completed groups are kept, so that a late
+    repeat of a trained group is refused."""
 
     def __init__(self, max_records: int, timeout_s: float, remember: int = 65536) -> None:
         self.max_records = max_records

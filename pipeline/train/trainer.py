@@ -452,7 +452,7 @@ class Trainer(PartitionReading):
                 return self._release_group(m, t.group_id, reason)
         group = self.buffer.add(t, where)
         if isinstance(group, Refused):
-            if group.reason not in ("group_refused", "late"):  # (valid members: dropped)
+            if group.invalid:
                 self.dead_letters.send(m, RecordDecodeError(group.reason, group.detail))
             return self._drop(t.trajectory_id, where, group.reason, env)
         if group is not None:
