@@ -108,7 +108,7 @@ case "$cmd" in
     export RLSTREAM_BOOTSTRAP="127.0.0.1:$port"
     echo "== pytest"
     set +e
-    "$venv/bin/python" -m pytest "$@"
+    "$venv/bin/python" -m pytest --durations=25 "$@"
     rc=$?
     set -e
     if [ "$rc" -eq 5 ]; then

@@ -74,6 +74,17 @@ def _same(got: Trajectory, want: Trajectory) -> None:
             assert a == b, f.name
 
 
+def _confluent_deserializer(url: str) -> AvroDeserializer:
+    """confluent-kafka's own ``AvroDeserializer``, finding subjects by topic name as rlstream
+    writes them: newer clients otherwise first ask the registry for the topic's
+    "associations", one more request (Confluent's newer API) on the path of every read.
+    A request that never answers fails the test in 30 s, not at pytest's timeout."""
+    conf = {"subject.name.strategy.type": "TOPIC"}
+    if "subject.name.strategy.type" not in getattr(AvroDeserializer, "_default_conf", {}):
+        conf = {}
+    return AvroDeserializer(SchemaRegistryClient({"url": url, "timeout": 30}), conf=conf)
+
+
 def test_confluent_kafkas_own_deserializer_reads_every_field(
     kafka: KafkaConfig, namespace: str, schema_registry: SchemaRegistry, schema_registry_url: str
 ) -> None:
@@ -84,8 +95,7 @@ def test_confluent_kafkas_own_deserializer_reads_every_field(
     assert json.loads(registered["schema"])["name"] == "Trajectory"
     assert _compatibility(schema_registry_url, subject) == "BACKWARD"
 
-    client = SchemaRegistryClient({"url": schema_registry_url})
-    deserializer = AvroDeserializer(client)
+    deserializer = _confluent_deserializer(schema_registry_url)
     consumer = Consumer(
         {
             "bootstrap.servers": kafka.bootstrap,
@@ -318,7 +328,7 @@ def test_version_1_then_version_2_in_one_subject_both_read(
     for want in sent:
         _same(by_id[want.trajectory_id], want)
 
-    deserializer = AvroDeserializer(SchemaRegistryClient({"url": schema_registry_url}))
+    deserializer = _confluent_deserializer(schema_registry_url)
     consumer = Consumer(
         {
             "bootstrap.servers": kafka.bootstrap,
@@ -428,7 +438,7 @@ def _read_framed(
 ) -> list[dict[str, Any]]:
     """Every value of ``topic`` (tombstones skipped), read by confluent-kafka's own
     ``AvroDeserializer`` by schema id: it fails on anything not in the registry framing."""
-    deserializer = AvroDeserializer(SchemaRegistryClient({"url": url}))
+    deserializer = _confluent_deserializer(url)
     consumer = Consumer(
         {
             "bootstrap.servers": kafka.bootstrap,
