@@ -75,6 +75,13 @@ class RunConfig:
     group_deadline_s: float = _T.group_deadline_s
     #: the fewest members a group is trained with at its deadline
     min_group_members: int = _T.min_group_members
+    #: producers end an episode in flight as soon as it is certain to arrive too stale
+    #: (weights loaded more than max_staleness versions past its first token), freeing
+    #: its slot; off: it finishes and the trainer drops it
+    abort_stale: bool = AdmissionConfig.abort_stale
+    #: the trainer drops a trajectory whose oldest tokens are past the staleness bound
+    #: (drop), or trains it with no gradient through those tokens (mask)
+    stale_tokens: str = _T.stale_tokens
     #: sampling temperature of the producers
     temperature: float = SamplingConfig.temperature
     #: sampling temperature of the held-out evaluations (None: the producers'); fixed,
@@ -191,6 +198,7 @@ class RunConfig:
             max_staleness=0 if self.sync else self.max_staleness,
             group_deadline_s=self.group_deadline_s,
             min_group_members=self.min_group_members,
+            stale_tokens=self.stale_tokens,
             batch_timeout_s=3600.0 if self.sync else TrainerConfig.batch_timeout_s,
             max_steps=self.steps,
             seed=self.seed,
@@ -230,6 +238,8 @@ class RunConfig:
             swap_kv=self.swap_kv,
             model=self.model,
             admission=AdmissionConfig(
-                max_staleness=-1 if self.sync else self.max_staleness, trainer_batch=self.rows
+                max_staleness=-1 if self.sync else self.max_staleness,
+                trainer_batch=self.rows,
+                abort_stale=self.abort_stale,
             ),
         )

@@ -188,10 +188,11 @@ def figures(
     metrics = trainer_metrics(run_dir)
     ledger = ledger_summary(run_dir)
     info = run_info(run_dir)
-    produced, versions = 0, {}
+    produced, aborted, versions = 0, 0, {}
     for name, rows in producer_status(run_dir).items():
         if rows:
             produced += rows[-1].get("episodes", 0)
+            aborted += rows[-1].get("aborted_stale", 0)
             versions[name] = rows[-1].get("version", 0)
     processes = _json(run_dir / "processes.json") or []
     init, final = evals.get("initial"), evals.get("final")
@@ -237,6 +238,7 @@ def figures(
         "trajectories_produced": produced if versions else None,
         "trajectories_trained": ledger["trained"],
         "trajectories_dropped_stale": ledger["dropped_stale"],
+        "episodes_aborted_stale": aborted if versions else None,
         "dropped": ledger["dropped"],
         "staleness_mean": round(sum(stale) / len(stale), 3) if stale else None,
         "trainer_busy": round(busy_share(metrics, first=1), 3) if metrics else None,

@@ -145,6 +145,9 @@ FIGURES: dict[str, str] = {
     "trajectories_produced": "trajectories produced",
     "trajectories_trained": "trajectories trained",
     "trajectories_dropped_stale": "trajectories dropped as too stale",
+    "episodes_aborted_stale": (
+        "episodes the producers ended early, certain to arrive too stale (abort_stale)"
+    ),
     "dropped": "records dropped, by reason",
     "staleness_mean": "mean staleness of trained trajectories (versions)",
     "trainer_busy": "trainer busy share (defined below the table)",

@@ -64,6 +64,11 @@ class AdmissionConfig:
     poll_s: float = 0.25
     #: a peer producer silent this long is no longer counted (it died)
     heartbeat_timeout_s: float = 5.0
+    #: end an episode in flight as soon as it is certain to arrive too stale (its first
+    #: token more than ``max_staleness`` versions older than weights this producer has
+    #: loaded: the trainer, ahead of those, would drop it), freeing its slot, and start
+    #: no more members of its group; off: it finishes and the trainer drops it
+    abort_stale: bool = False
 
     def __post_init__(self) -> None:
         check_range("admission.max_staleness", self.max_staleness, -1)

@@ -27,7 +27,7 @@ import math
 import time
 import uuid
 import zlib
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -130,8 +130,10 @@ async def run_episode(
     tokenizer: ChatFormat,
     limits: EpisodeLimits,
     producer_id: str,
+    on_turn: Callable[[TurnResult], None] | None = None,
 ) -> Trajectory:
-    """Play one episode in decode slot ``slot`` and return its trajectory."""
+    """Play one episode in decode slot ``slot`` and return its trajectory; ``on_turn`` is
+    told of each policy turn as it is sampled."""
     rec = _Recorder(limits.max_observation_tokens)
     started = time.time()
     gen_s = env_s = 0.0
@@ -185,6 +187,8 @@ async def run_episode(
                 )
             latency = time.perf_counter() - t0
             gen_s += latency
+            if on_turn is not None:
+                on_turn(turn)
             call = tokenizer.parse_call(turn.tokens, turn.stopped)
             if call is not None:
                 name, args = call

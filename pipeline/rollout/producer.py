@@ -41,6 +41,7 @@ from pipeline.policy.remote import RemotePolicy, server_url
 from pipeline.policy.sampler import DecodeEngine
 from pipeline.policy.server import Policy, PolicyServer
 from pipeline.policy.tokenizer import tokenizer_for
+from pipeline.policy.turn import TurnResult
 from pipeline.records.trajectory import Trajectory
 from pipeline.rollout.admission import Gate
 from pipeline.rollout.config import ProducerConfig
@@ -59,6 +60,8 @@ class ProducerStats:
     dropped: int = 0
     #: episodes that failed inside the producer (written as failed records)
     failed: int = 0
+    #: episodes ended early, certain to arrive too stale (``admission.abort_stale``)
+    aborted_stale: int = 0
 
 
 class RolloutProducer:
@@ -106,6 +109,9 @@ class RolloutProducer:
         self.exactness = Exactness()
         #: when each episode in flight began (monotonic seconds)
         self._begun: dict[asyncio.Task[None], float] = {}
+        #: episodes still playing (not writing their record yet): their group and the
+        #: version of their first sampled token (None before it)
+        self._playing: dict[asyncio.Task[None], tuple[str, int | None]] = {}
         self.stop_event = threading.Event()
         self.on_progress = on_progress
         self.weights: WeightsSubscriber | None = None
@@ -199,6 +205,8 @@ class RolloutProducer:
             if cfg.max_episodes is not None and self.stats.started >= cfg.max_episodes:
                 break
             self._wake.clear()
+            if cfg.admission.abort_stale and self._abort_stale(members):
+                members = []
             if free and (members or self._may_start()):
                 if not members:
                     members = self._new_group()
@@ -239,6 +247,32 @@ class RolloutProducer:
             announced_version=None if self.weights is None else self.weights.announced,
         )
 
+    def _abort_stale(self, members: list[GroupSlot]) -> bool:
+        """End the episodes certain to arrive too stale: their first token is more than
+        ``max_staleness`` versions older than weights this producer has loaded (verified
+        weights only: an announcement alone never ends an episode), so the trainer, ahead
+        of those, drops them. True when the group still being started is one of theirs
+        (its other members would arrive without them: they are not started)."""
+        loaded = max(self.version, self._handed)
+        bound = self.cfg.admission.max_staleness
+        if bound < 0:
+            return False
+        ended: list[str] = []
+        for task, (gid, first) in list(self._playing.items()):
+            if first is not None and loaded - first > bound:
+                del self._playing[task]
+                task.cancel()
+                ended.append(gid)
+        if not ended:
+            return False
+        self.stats.aborted_stale += len(ended)
+        log.info(
+            "aborted %d episodes certain to arrive too stale (weights v%d loaded)",
+            len(ended),
+            loaded,
+        )
+        return bool(members) and members[0].group_id in ended
+
     def paused_seconds(self) -> float:
         """Seconds admission control has held new episodes back so far (this producer's
         clock, a pause under way included)."""
@@ -263,7 +297,7 @@ class RolloutProducer:
     @property
     def in_flight(self) -> int:
         st = self.stats
-        return st.started - sum(st.finished.values()) - st.dropped
+        return st.started - sum(st.finished.values()) - st.dropped - st.aborted_stale
 
     async def _drain(self, running: set[asyncio.Task[None]]) -> None:
         if running:
@@ -291,6 +325,14 @@ class RolloutProducer:
         :func:`failed_trajectory`, so that its group stays complete and the episode is
         counted: nothing stays in flight."""
         status = "env_error"
+        me = asyncio.current_task()
+        assert me is not None
+
+        def first_turn(turn: TurnResult) -> None:
+            if me in self._playing and self._playing[me][1] is None and turn.versions:
+                self._playing[me] = (member.group_id, turn.versions[0])
+
+        self._playing[me] = (member.group_id, None)
         try:
             try:
                 env = make(self.cfg.env, **self.cfg.env_kwargs)
@@ -302,16 +344,19 @@ class RolloutProducer:
                     self.tokenizer,
                     self.cfg.limits,
                     self.cfg.producer_id,
+                    first_turn,
                 )
             finally:
+                self._playing.pop(me, None)
                 free.append(slot)
+                self._poke()
             self._check_exactness(t)
             try:
                 await self._write(t)
                 status = t.status
             except InvalidTrajectoryError as e:  # e.g. a policy that sampled NaN
                 await self._failed(member, f"record refused: {e}")
-        except asyncio.CancelledError:  # dropped after the grace period: counted there
+        except asyncio.CancelledError:  # dropped after the grace period, or aborted: counted
             raise
         except Exception as e:
             log.warning("episode failed group=%s error=%r", member.group_id, e)

@@ -32,6 +32,7 @@ def status_line(producer: Any) -> dict[str, Any]:
         "sent": producer.writer.sent,
         "delivered": producer.writer.delivered,
         "failed": producer.writer.failed,
+        "aborted_stale": st.aborted_stale,
         "budget_share": gate.share,
         "peers": len(gate.peers),
         "peers_in_flight": sum(gate.peers.values()),
@@ -95,6 +96,12 @@ def prometheus_samples(producer: Any) -> list[Sample]:
             w.failed,
             "counter",
             "records Kafka did not acknowledge",
+        ),
+        Sample(
+            "rlstream_producer_episodes_aborted_stale_total",
+            st.aborted_stale,
+            "counter",
+            "episodes ended early, certain to arrive too stale (admission.abort_stale)",
         ),
         Sample(
             "rlstream_producer_policy_version", producer.version, help="policy version sampling now"

@@ -294,6 +294,14 @@ def _mark_fresh(fresh: np.ndarray, r: int, at: int, t: Trajectory, version: int)
             fresh[r, at + s.start : at + s.end] = 1.0
 
 
+def _mask_stale(mask: np.ndarray, r: int, at: int, t: Trajectory, oldest: int) -> None:
+    """No gradient through the tokens of ``t`` (at row ``r``, column ``at``) that a
+    policy version older than ``oldest`` sampled."""
+    for s in t.version_spans:
+        if s.version < oldest:
+            mask[r, at + s.start : at + s.end] = 0.0
+
+
 def _last_policy_token(mask: np.ndarray) -> int | None:
     hits = np.flatnonzero(mask[1:]) + 1
     return int(hits[-1]) if len(hits) else None
@@ -306,11 +314,13 @@ def assemble(
     grpo: GRPOConfig | None = None,
     length: int | None = None,
     version: int | None = None,
+    oldest: int | None = None,
 ) -> tuple[Batch, list[Member]]:
     """A batch of exactly ``rows`` rows, one trajectory per row (padding rows have
     ``valid`` 0) and the members in row order, with each group's advantages; its length
     is the bucket of the longest member, or ``length`` (the group's agreed one). With
-    ``version`` (the trainer's), ``fresh`` marks the tokens that version sampled."""
+    ``version`` (the trainer's), ``fresh`` marks the tokens that version sampled; with
+    ``oldest``, tokens of older versions get no gradient (``stale_tokens: mask``)."""
     grpo = grpo or GRPOConfig()
     rated = _advantaged(groups, grpo)
     longest = max((m.trajectory.num_tokens for m, _, _ in rated), default=0)
@@ -332,6 +342,8 @@ def assemble(
             _mark_fresh(fresh, r, 0, tr, version)
         tokens[r, :n] = tr.tokens
         mask[r, 1:n] = tr.loss_mask[1:]  # the first token has no prediction to train
+        if oldest is not None:
+            _mask_stale(mask, r, 0, tr, oldest)
         behaviour[r, :n] = tr.logprobs
         advantage[r] = adv
         valid[r] = 1.0
@@ -384,13 +396,14 @@ def pack(
     grpo: GRPOConfig | None = None,
     first_row: int = 0,
     version: int | None = None,
+    oldest: int | None = None,
 ) -> tuple[Batch, list[Member]]:
     """A packed batch of ``rows`` rows of ``length`` tokens: several trajectories per
     row, each its own segment (attention stays inside it, positions restart at 0) with
     its group's advantage on every token; the members in the order they were packed.
     Segment ids are the flat index of the segment's first token, counted from row
     ``first_row`` (this member's first row of a group's batch), so they are unique in
-    the whole batch. ``version``: as for :func:`assemble`."""
+    the whole batch. ``version`` and ``oldest``: as for :func:`assemble`."""
     grpo = grpo or GRPOConfig()
     rated = _advantaged(groups, grpo)
     layout = first_fit([m.trajectory.num_tokens for m, _, _ in rated], length)
@@ -418,6 +431,8 @@ def pack(
                 _mark_fresh(fresh, r, at, tr, version)
             tokens[r, at : at + n] = tr.tokens
             mask[r, at + 1 : at + n] = tr.loss_mask[1:]
+            if oldest is not None:
+                _mask_stale(mask, r, at, tr, oldest)
             behaviour[r, at : at + n] = tr.logprobs
             advantage[r, at : at + n] = adv
             segment[r, at : at + n] = base[r, 0] + at

@@ -14,6 +14,10 @@ from pipeline.kafka.topics import check_name
 from pipeline.policy.config import LoRAConfig, ModelConfig
 from pipeline.records.trajectory import MAX_ABS_REWARD
 
+#: what the trainer does with a trajectory whose oldest tokens are past the staleness
+#: bound (``TrainerConfig.stale_tokens``)
+STALE_TOKENS = ("drop", "mask")
+
 
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig:
@@ -263,6 +267,10 @@ class TrainerConfig:
     group_deadline_s: float = 0.0
     #: the fewest members a group is trained with at its deadline
     min_group_members: int = 2
+    #: a trajectory whose oldest tokens are past the staleness bound: ``drop`` it whole,
+    #: or ``mask`` the tokens of versions past the bound (no gradient through them; the
+    #: rest trains and its group stays whole), dropping it only when all of them are
+    stale_tokens: str = "drop"
     #: train a partial batch (padding rows) when no full one came for this long (s)
     batch_timeout_s: float = 30.0
     #: padded sequence lengths (each must fit the model's max_len); a packed batch's rows
@@ -362,6 +370,10 @@ class TrainerConfig:
         ):
             check_range(name, value, low, above=above)
         check_range("min_logprob", self.min_logprob, high=0.0)
+        if self.stale_tokens not in STALE_TOKENS:
+            raise InvalidConfigError(
+                f"stale_tokens must be one of {', '.join(STALE_TOKENS)}, got {self.stale_tokens!r}"
+            )
         if self.group_deadline_s:
             check_range("group_deadline_s", self.group_deadline_s, 0, above=True)
             if self.group_deadline_s >= self.group_timeout_s:

@@ -3,11 +3,11 @@ wait for its group, and where the refused ones go.
 
 :class:`RecordJudge` reads a record in this order, so that no byte is decoded in vain:
 the headers (unreadable ones: ``bad_header``), the staleness filter on the headers'
-``min_version`` (``stale``, never decoded), the size bound (``oversized``, never
-decoded), the decode (every :class:`~pipeline.errors.RecordDecodeError` reason), the
-tokenizer, then the training contract (:mod:`pipeline.train.contract`). Whatever exception a
-record provokes on the way is a refusal (``internal`` when nobody foresaw it): no record
-can stop the trainer.
+``min_version`` (``max_version`` when stale tokens are masked; ``stale``, never
+decoded), the size bound (``oversized``, never decoded), the decode (every
+:class:`~pipeline.errors.RecordDecodeError` reason), the tokenizer, then the training
+contract (:mod:`pipeline.train.contract`). Whatever exception a record provokes on the
+way is a refusal (``internal`` when nobody foresaw it): no record can stop the trainer.
 
 :class:`DeadLetters` sends each refused record, with its original key, headers and
 bytes and the reason, to ``<ns>.deadletter``. A letter that would not fit in a Kafka
@@ -56,8 +56,12 @@ class RecordJudge:
         tokenizer_id: str,
         max_record_bytes: int,
         temperature: float = 1.0,
+        whole: bool = False,
     ) -> None:
         self.contract = contract
+        #: stale only when every token is (``stale_tokens: mask``): the filter reads the
+        #: newest version instead of the oldest
+        self.whole = whole
         self.tokenizer_id = tokenizer_id
         self.temperature = temperature  # the trainer's: log-probabilities taken at it
         self.max_record_bytes = max_record_bytes
@@ -66,7 +70,8 @@ class RecordJudge:
     def __call__(
         self, m: Record, stale: Callable[[int], bool], newest_version: int | None
     ) -> Trajectory | RecordDecodeError | str:
-        """``m`` a record read from Kafka; ``stale(min_version)`` the staleness filter;
+        """``m`` a record read from Kafka; ``stale(version)`` the staleness filter (on the
+        record's oldest version, or its newest with ``whole``);
         ``newest_version`` the newest policy version announced (None: no bound)."""
         try:
             return self._judge(m, stale, newest_version)
@@ -79,7 +84,8 @@ class RecordJudge:
         if m.header_error is not None:  # e.g. a header name that is not UTF-8
             return RecordDecodeError("bad_header", f"headers unreadable: {m.header_error}")
         h = TrajectoryHeaders.parse(list(m.headers))
-        if h.min_version is not None and h.min_version >= 0 and stale(h.min_version):
+        v = h.max_version if self.whole else h.min_version
+        if v is not None and v >= 0 and stale(v):
             return "stale"
         value = m.value or b""
         if len(value) > self.max_record_bytes:

@@ -153,8 +153,14 @@ class Trainer(PartitionReading):
             cfg.max_abs_reward,
             cfg.min_logprob,
         )
+        #: stale tokens are masked, not their trajectories dropped (``stale_tokens``)
+        self.mask_stale = cfg.stale_tokens == "mask"
         self.judge = RecordJudge(
-            contract, self.tokenizer.id, cfg.max_record_bytes, cfg.grpo.temperature
+            contract,
+            self.tokenizer.id,
+            cfg.max_record_bytes,
+            cfg.grpo.temperature,
+            whole=self.mask_stale,
         )
         #: records waiting for the schema registry to answer for their schema id
         self.held = HeldRecords(cfg.max_buffered)
@@ -441,7 +447,7 @@ class Trainer(PartitionReading):
         if isinstance(verdict, str):  # dropped without being invalid (stale, too long ...)
             return self._drop(None, where, verdict, env)
         t = verdict
-        if t.min_version >= 0 and self._stale(t.min_version):
+        if self._all_stale([t]):
             return self._drop(t.trajectory_id, where, "stale", env)
         for reason, unfit in (
             ("too_long", bucket_for(t.num_tokens, self.cfg.buckets) is None),
@@ -461,6 +467,16 @@ class Trainer(PartitionReading):
 
     def _stale(self, min_version: int) -> bool:
         return self.version - min_version > self.cfg.max_staleness
+
+    def _all_stale(self, ts: list[Trajectory]) -> bool:
+        """Whether trajectories (a record, or a group's members) are too stale to train:
+        the oldest token of any (``stale_tokens: drop``), or every token of all
+        (``mask``). A trajectory without policy tokens has no staleness."""
+        if self.mask_stale:
+            newest = [t.max_version for t in ts if t.max_version >= 0]
+            return bool(newest) and self._stale(max(newest))
+        oldest = min((t.min_version for t in ts), default=-1)
+        return oldest >= 0 and self._stale(oldest)
 
     def _drop(self, tid: str | None, w: Coordinates, reason: str, env: str) -> None:
         self.tracker.settle((w.topic, w.partition), w.offset)
@@ -508,8 +524,7 @@ class Trainer(PartitionReading):
         groups: list[Any] = []
         while len(groups) < self.quota and len(self.ready):
             for g in self.ready.take(self.quota - len(groups)):
-                oldest = g.oldest_version
-                if oldest >= 0 and self._stale(oldest):
+                if self._all_stale([m.trajectory for m in g.members.values()]):
                     self._drop_group(g, "stale")
                 elif self.cfg.grpo.dynamic_sampling and zero_variance(
                     group_rewards(g, self.cfg.grpo)
@@ -626,13 +641,17 @@ class Trainer(PartitionReading):
         """This member's part of the step's batch, in the shape every member can use
         (``need``: the most any member needs)."""
         v = self.version
+        # stale_tokens: mask: no gradient through the tokens of versions past the bound
+        oldest = v - self.cfg.max_staleness if self.mask_stale else None
         if not self.cfg.packing:
             rows = self.cfg.rows // self.members.count
-            return assemble(groups, rows, self.cfg.buckets, self.cfg.grpo, length=need, version=v)
+            return assemble(
+                groups, rows, self.cfg.buckets, self.cfg.grpo, need, version=v, oldest=oldest
+            )
         rows = next(r for r in self.row_choices if r >= need)
         length = max(self.cfg.buckets)
         first = self.members.index * rows
-        return pack(groups, rows, length, self.cfg.grpo, first_row=first, version=v)
+        return pack(groups, rows, length, self.cfg.grpo, first_row=first, version=v, oldest=oldest)
 
     def _not_applied(self, groups: list[Any], m: dict[str, Any]) -> int:
         """A step whose loss or gradients were not finite changed nothing: its records

@@ -367,3 +367,49 @@ def test_announced_adapters_are_applied_on_a_base_loaded_once(
             assert np.abs(base_logp[idx] - full[idx]).max() > 1e-3  # the adapters matter
             checked += len(idx)
     assert checked
+
+
+def test_episodes_certain_to_arrive_too_stale_are_aborted_and_free_their_slots(
+    kafka: KafkaConfig, namespace: str, tmp_path: Path
+) -> None:
+    """``admission.abort_stale``: once the producer has loaded weights more than
+    ``max_staleness`` versions newer than an episode's first token, the episode ends at
+    once (no record: the trainer would drop it), its slot samples with the new weights,
+    and nothing is left counted in flight."""
+    ensure_topics(kafka, namespace_topics(namespace, ["guess"], 1))
+    cfg = producer_config(
+        namespace,
+        checkpoint_roots=(tmp_path,),
+        latency_ms=300.0,  # every environment call: multi-turn episodes of seconds
+        latency_sigma=0.1,
+        admission=AdmissionConfig(max_staleness=1, trainer_batch=100_000, abort_stale=True),
+    )
+    producer = RolloutProducer(cfg, kafka)
+    th = run_in_thread(producer)
+    wait_for(lambda: producer.writer.sent >= 4, 120)
+    path = save_params(tmp_path / "v2", init_model(CFG, seed=42))
+    announce(kafka.producer(), namespace, announcement(2, 2, path, CFG, TOKENIZER_ID, "t"))
+    wait_for(lambda: producer.version == 2, 60)
+    swapped_ms = time.time() * 1000
+    sent_at_swap = producer.writer.sent
+    wait_for(lambda: producer.writer.sent >= sent_at_swap + 8, 120)
+    producer.stop()
+    th.join(60)
+    assert not th.is_alive()
+
+    st = producer.stats
+    assert st.aborted_stale >= 1, "no episode in flight was aborted at the swap"
+    assert producer.in_flight == 0
+    assert status_line(producer)["aborted_stale"] == st.aborted_stale
+    # an aborted episode writes nothing; every finished one wrote its record
+    assert producer.writer.sent == sum(st.finished.values())
+    records = [r.trajectory for r in read_all(kafka, namespace, producer.writer.sent)]
+    # what sampled its first token with version 0 ended before the swap (up to the time
+    # the test took to see it), never after it
+    late = [
+        t.timings.finished_at_ms - swapped_ms
+        for t in records
+        if t.min_version == 0 and t.timings.finished_at_ms > swapped_ms + 500
+    ]
+    assert not late, f"records of version 0 finished after the swap: {late}"
+    assert any(t.min_version == 2 for t in records)

@@ -307,6 +307,54 @@ def test_a_partial_group_trains_at_its_deadline_and_its_late_members_are_dropped
     assert trainer.drops["incomplete_group"] == 2 and trainer.partial_groups == 1
 
 
+def test_masked_stale_tokens_train_what_is_fresh_and_drop_only_what_is_all_stale(
+    tmp_path: Path,
+) -> None:
+    """``stale_tokens: mask``: a trajectory whose first turns are past the staleness bound
+    but whose last are not is trained, with no gradient through the stale tokens (in a
+    packed batch and one row per trajectory alike); one whose every token is past it is
+    dropped as ``stale``. The default (``drop``) drops the first kind whole."""
+    from pipeline.train.batching import assemble
+    from pipeline.train.config import TrainerConfig
+
+    def intake(**settings: Any) -> _Intake:
+        it = _Intake(tmp_path / str(len(settings)), 9, max_staleness=1, **settings)
+        it.trainer.version = 5  # versions 3 and older are past the bound
+        for i in range(4):
+            it.send("mixed", i, versions=(2, 5))
+        it.send("old", 0, versions=(2, 3))
+        return it
+
+    dropping = intake()
+    assert dropping.trainer.drops["stale"] == 5 and len(dropping.trainer.ready) == 0
+
+    masking = intake(stale_tokens="mask")
+    trainer = masking.trainer
+    assert trainer.drops["stale"] == 1 and len(trainer.ready) == 1
+    groups = trainer._fresh_groups()
+    assert [g.group_id for g in groups] == ["mixed"]
+    packed, members = trainer._assemble(groups, trainer._needs(groups))
+    in_packed = [(m.row, m.start) for m in members]
+    rows, _ = assemble(groups, 4, (64,), oldest=trainer.version - 1)
+    in_rows = [(m.row, 0) for m in members]
+    for batch, where in ((packed, in_packed), (rows, in_rows)):
+        for m, (r, start) in zip(members, where, strict=True):
+            t = m.trajectory
+            (old, new) = t.version_spans
+            assert (old.version, new.version) == (2, 5)
+            mask = np.asarray(batch.mask)[r, start : start + t.num_tokens]
+            assert not mask[old.start : old.end].any()  # no gradient through version 2
+            assert mask[new.start : new.end].tolist() == t.loss_mask[new.start : new.end].tolist()
+            assert mask[new.start : new.end].all()
+    # the same group waits past another step: version 5 is still within the bound ...
+    trainer.version = 6
+    assert not trainer._all_stale([m.trajectory for m in members])
+    trainer.version = 7  # ... and no longer at 7
+    assert trainer._all_stale([m.trajectory for m in members])
+    with pytest.raises(InvalidConfigError, match="stale_tokens"):
+        TrainerConfig(stale_tokens="keep")
+
+
 def test_a_group_deadline_must_be_shorter_than_its_timeout_and_keep_two_members() -> None:
     from pipeline.train.config import TrainerConfig
 
