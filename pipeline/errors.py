@@ -37,6 +37,12 @@ def check_range(
         raise InvalidConfigError(f"{name} must be a finite number {bound}, got {value!r}")
 
 
+def check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    """Refuses a setting that is not one of ``allowed``, naming them."""
+    if value not in allowed:
+        raise InvalidConfigError(f"{name} must be one of {', '.join(allowed)}, not {value!r}")
+
+
 class RecordDecodeError(RlstreamError, ValueError):
     """Bytes read from Kafka (or a recording) are not a valid rlstream record.
 

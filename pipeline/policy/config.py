@@ -11,7 +11,7 @@ import json
 import math
 from pathlib import Path
 
-from pipeline.errors import InvalidConfigError
+from pipeline.errors import InvalidConfigError, check_choice
 from pipeline.policy.hf_format import read_model_fields
 
 #: model families: the built-in policy and the Hugging Face families rlstream implements
@@ -218,8 +218,7 @@ SWAP_KV = ("keep", "recompute")
 
 
 def check_swap_kv(value: object) -> None:
-    if value not in SWAP_KV:
-        raise InvalidConfigError(f"swap_kv must be one of {', '.join(SWAP_KV)}, not {value!r}")
+    check_choice("swap_kv", value, SWAP_KV)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pipeline.errors import InvalidConfigError, check_range
+from pipeline.errors import InvalidConfigError, check_choice, check_range
 from pipeline.kafka.client import MAX_MESSAGE_BYTES
 from pipeline.kafka.topics import check_name
 from pipeline.policy.config import LoRAConfig, ModelConfig
@@ -17,6 +17,8 @@ from pipeline.records.trajectory import MAX_ABS_REWARD
 #: what the trainer does with a trajectory whose oldest tokens are past the staleness
 #: bound (``TrainerConfig.stale_tokens``)
 STALE_TOKENS = ("drop", "mask")
+#: how a step's token losses are averaged (``GRPOConfig.aggregation``)
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,13 +95,6 @@ class GRPOConfig:
     temperature: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.correction not in ("decoupled", "tis", "none"):
-            raise InvalidConfigError(
-                f"correction must be decoupled, tis or none, not {self.correction}"
-            )
-        aggs = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
-        if self.aggregation not in aggs:
-            raise InvalidConfigError(f"aggregation must be one of {aggs}")
         for field, number, low, above in (
             ("learning_rate", self.learning_rate, 0.0, True),
             ("warmup_steps", self.warmup_steps, 0.0, False),
@@ -120,13 +115,14 @@ class GRPOConfig:
         if self.minibatches < 1 or self.microbatches < 1 or self.is_cap <= 0:
             raise InvalidConfigError("minibatches and microbatches must be >= 1, is_cap > 0")
         for name, value, allowed in (
+            ("correction", self.correction, ("decoupled", "tis", "none")),
+            ("aggregation", self.aggregation, AGGREGATIONS),
             ("advantage", self.advantage, ("grpo", "drgrpo", "rloo", "gae")),
             ("credit", self.credit, ("token", "turn")),
             ("ratio", self.ratio, ("token", "sequence")),
             ("kl_estimator", self.kl_estimator, ("k1", "k3")),
         ):
-            if value not in allowed:
-                raise InvalidConfigError(f"{name} must be one of {allowed}, not {value!r}")
+            check_choice(f"grpo.{name}", value, allowed)
         if not (0 <= self.gamma <= 1 and 0 <= self.gae_lambda <= 1 and self.value_coef >= 0):
             raise InvalidConfigError("gamma and gae_lambda must lie in [0, 1], value_coef >= 0")
         if self.overlong_max_tokens and not 0 < self.overlong_buffer <= self.overlong_max_tokens:
@@ -370,10 +366,7 @@ class TrainerConfig:
         ):
             check_range(name, value, low, above=above)
         check_range("min_logprob", self.min_logprob, high=0.0)
-        if self.stale_tokens not in STALE_TOKENS:
-            raise InvalidConfigError(
-                f"stale_tokens must be one of {', '.join(STALE_TOKENS)}, got {self.stale_tokens!r}"
-            )
+        check_choice("stale_tokens", self.stale_tokens, STALE_TOKENS)
         if self.group_deadline_s:
             check_range("group_deadline_s", self.group_deadline_s, 0, above=True)
             if self.group_deadline_s >= self.group_timeout_s:
