@@ -4,6 +4,8 @@ Every experiment lives in a namespace ``<ns>``:
 
 - ``<ns>.rollouts.<env>``: trajectories of one environment, keyed by GRPO group id;
 - ``<ns>.weights``: weights announcements, compacted (the latest per key survives);
+- ``<ns>.weights-data``: the announced checkpoints' files in chunks, for producers that
+  cannot read the trainer's directory; compacted, so the newest full version stays;
 - ``<ns>.deadletter``: records that failed to decode or validate, with the reason;
 - ``<ns>.telemetry``: spans and metric samples of every process.
 """
@@ -57,6 +59,10 @@ def weights_topic(namespace: str) -> str:
     return f"{check_name('namespace', namespace)}.weights"
 
 
+def weights_data_topic(namespace: str) -> str:
+    return f"{check_name('namespace', namespace)}.weights-data"
+
+
 def deadletter_topic(namespace: str) -> str:
     return f"{check_name('namespace', namespace)}.deadletter"
 
@@ -107,7 +113,8 @@ def namespace_topics(
     overrides: Mapping[str, Mapping[str, str]] | None = None,
 ) -> list[TopicSpec]:
     """The topics of a namespace. ``overrides`` maps ``rollouts``, ``weights``,
-    ``deadletter``, ``telemetry`` or ``producers`` to extra topic configuration."""
+    ``weights_data``, ``deadletter``, ``telemetry`` or ``producers`` to extra topic
+    configuration."""
     if partitions < 1:
         raise InvalidConfigError(f"partitions must be at least 1, got {partitions}")
     if not envs:
@@ -129,6 +136,13 @@ def namespace_topics(
         "min.cleanable.dirty.ratio": "0.1",
         "min.compaction.lag.ms": "0",
     }
+    # chunks are keyed by their place in a sending: a newer version's overwrite the older's,
+    # and compaction (never of the last minute's, which a producer may be reading) frees them
+    weights_data = {
+        **weights,
+        "segment.bytes": str(256 * 1024 * 1024),
+        "min.compaction.lag.ms": "60000",
+    }
     deadletter = {**size, "cleanup.policy": "delete", "retention.ms": str(14 * DAY_MS)}
     telemetry = {**size, "cleanup.policy": "delete", "retention.ms": str(3 * DAY_MS)}
     # the latest heartbeat of each producer; a stopped producer's tombstone goes soon
@@ -146,6 +160,7 @@ def namespace_topics(
 
     specs = [spec(rollout_topic(namespace, e), partitions, rollouts, "rollouts") for e in envs]
     specs.append(spec(weights_topic(namespace), 1, weights, "weights"))
+    specs.append(spec(weights_data_topic(namespace), 1, weights_data, "weights_data"))
     specs.append(spec(deadletter_topic(namespace), 1, deadletter, "deadletter"))
     specs.append(spec(telemetry_topic(namespace), 1, telemetry, "telemetry"))
     specs.append(spec(producers_topic(namespace), 1, producers, "producers"))

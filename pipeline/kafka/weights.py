@@ -4,23 +4,25 @@
 compacted ``<ns>.weights`` topic once a checkpoint is durable. A
 :class:`WeightsSubscriber` runs in the background of every producer: at start it reads the
 topic to its end and takes the latest announcement, then follows new ones. Each one is
-checked (a newer version, a URI inside an allowed root, the same model configuration and
-tokenizer, a digest that matches the files, the version the files themselves name) and
-restored with orbax on the subscriber's thread from a private copy made while hashing
-(what is restored is exactly what was verified; a link out of the allowed roots is
-refused); parameters that are not all finite are refused. An announcement of LoRA
-adapters (``format: orbax-lora``) names the base they apply to, by URI and digest: the
-base is verified and restored the same way the first time, kept, and each version after
-that moves only its adapters. Only then is it handed over,
-so sampling never waits for I/O. A refused announcement, a failed restore or any error
+checked (a newer version, the same model configuration and tokenizer, a digest that
+matches the files, the version the files themselves name) and restored with orbax on the
+subscriber's thread from a private copy made while hashing (what is restored is exactly
+what was verified); parameters that are not all finite are refused. The files come from
+the announced folder when it lies inside an allowed root and is readable here (a link out
+of the allowed roots is refused), or else from the copy the trainer sent to the cluster
+(:mod:`pipeline.kafka.weights_data`): ``source`` says which (auto, directory, cluster).
+An announcement of LoRA adapters (``format: orbax-lora``) names the base they apply to,
+by URI, digest and sending: the base is verified and restored the same way the first
+time, kept, and each version after that moves only its adapters. Only then is it handed
+over, so sampling never waits for I/O. A refused announcement, a failed restore or any error
 while handling one keeps the old weights and the thread, and is logged (one line) and
 counted.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
+import os
 import tempfile
 import threading
 import time
@@ -35,12 +37,13 @@ import confluent_kafka
 from pipeline.errors import InvalidConfigError, RecordDecodeError
 from pipeline.kafka.client import KafkaConfig
 from pipeline.kafka.topics import weights_topic
+from pipeline.kafka.weights_data import Refusal, fetch_checkpoint
 from pipeline.observe.telemetry import span
 from pipeline.policy.checkpoint import digest, restore_params, saved_version, snapshot
-from pipeline.policy.config import ModelConfig
+from pipeline.policy.config import ModelConfig, check_weights_source
 from pipeline.policy.lora import adapter_meta, merged, restore_adapters
 from pipeline.policy.model import all_finite
-from pipeline.records.codec import AvroCodec
+from pipeline.records.codec import AvroCodec, shared_codec
 
 log = logging.getLogger(__name__)
 
@@ -59,26 +62,24 @@ def announcement(
     tokenizer_id: str,
     trainer_id: str,
     metrics: dict[str, float] | None = None,
+    files_digest: str | None = None,
 ) -> dict[str, Any]:
-    """The announcement of the checkpoint at ``path`` (its digest is computed here)."""
+    """The announcement of the checkpoint at ``path`` (its digest is computed here unless
+    given as ``files_digest``)."""
     return {
         "policy_version": version,
         "step": step,
         "checkpoint_uri": str(path.absolute()),
-        "digest": digest(path),
+        "digest": files_digest or digest(path),
         "format": "orbax",
         "model_config": cfg.to_json(),
         "tokenizer_id": tokenizer_id,
         "created_at_ms": int(time.time() * 1000),
         "trainer_id": trainer_id,
         "metrics": dict(metrics or {}),
+        "transfer": None,
+        "base_transfer": None,
     }
-
-
-@functools.cache
-def _announcements() -> AvroCodec:
-    """The codec of announcements, one per process (it remembers the registry's answers)."""
-    return AvroCodec("WeightsAnnouncement")
 
 
 def announce(
@@ -89,7 +90,7 @@ def announce(
 ) -> None:
     """Send one announcement and wait until the broker has it."""
     topic = weights_topic(namespace)
-    codec = _announcements()
+    codec = shared_codec("WeightsAnnouncement")
     producer.produce(topic, codec.encode(record, codec.framing_for(topic)), KEY)
     if producer.flush(timeout):
         raise TimeoutError("weights announcement not acknowledged")
@@ -121,6 +122,7 @@ class WeightsSubscriber:
         allowed_roots: Sequence[Path],
         on_weights: Callable[[Any, int], None],
         current_version: int = 0,
+        source: str = "auto",
     ) -> None:
         self.kafka = kafka
         self.namespace = namespace
@@ -129,8 +131,12 @@ class WeightsSubscriber:
         self.allowed_roots = [Path(r) for r in allowed_roots]
         self.on_weights = on_weights
         self.version = current_version
+        check_weights_source(source)
+        self.source = source
         self.refused: Counter[str] = Counter()
         self.accepted = 0
+        #: versions loaded from each source (directory, cluster)
+        self.loaded_from: Counter[str] = Counter()
         self.caught_up = threading.Event()
         self.last_announced_ms = 0
         #: the newest version announced for this model and tokenizer (loaded or not): how
@@ -193,8 +199,8 @@ class WeightsSubscriber:
 
     def _note_announced(self, ann: dict[str, Any]) -> None:
         """Count a version as announced when it is newer and for this policy (same
-        tokenizer and model, a checkpoint inside an allowed root); one whose restore is
-        refused stops counting."""
+        tokenizer and model, files this producer can read); one whose restore is refused
+        stops counting."""
         try:
             version = int(ann["policy_version"])
             if (
@@ -202,9 +208,9 @@ class WeightsSubscriber:
                 and ann["tokenizer_id"] == self.tokenizer_id
                 and ModelConfig.from_json(ann["model_config"]).same_architecture(self.cfg)
             ):
-                checkpoint_path(ann["checkpoint_uri"], self.allowed_roots)  # else ValueError
+                self._where(ann["checkpoint_uri"], ann.get("transfer"))  # else Refusal
                 self.announced = version
-        except (KeyError, TypeError, ValueError, InvalidConfigError):
+        except (KeyError, TypeError, ValueError, InvalidConfigError, Refusal):
             pass  # refused with its reason when handled
 
     def _refuse(self, reason: str, detail: str) -> None:
@@ -239,23 +245,28 @@ class WeightsSubscriber:
             self._refuse("format", f"{ann['format']!r} is not one of {', '.join(FORMATS)}")
             return False
         try:
-            path = checkpoint_path(ann["checkpoint_uri"], self.allowed_roots)
-        except ValueError as e:
-            self._refuse("uri", str(e))
-            if self.refused["uri"] == 1:
+            where = self._where(ann["checkpoint_uri"], ann.get("transfer"))
+        except Refusal as r:
+            self._refuse(r.reason, r.detail)
+            if self.refused[r.reason] == 1:
                 log.error(
                     "the trainer's weights (version %d at %s) are outside this producer's "
-                    "checkpoint roots %s: it keeps sampling version %d until it is started "
-                    "with --checkpoint-root %s (or a folder above it)",
+                    "checkpoint roots %s or unreadable here, and %s: it keeps sampling "
+                    "version %d until it is started with --checkpoint-root %s (or a folder "
+                    "above it)%s",
                     version,
                     ann["checkpoint_uri"],
                     ", ".join(str(r) for r in self.allowed_roots),
+                    "the trainer sent no copy to the cluster"
+                    if ann.get("transfer") is None
+                    else f"this producer's weights source is {self.source}",
                     self.version,
                     _run_dir_of(ann["checkpoint_uri"]),
+                    "" if ann.get("transfer") is None else " or with --weights-source auto",
                 )
             return False
         with span("weights_restore", "weights", version=version):
-            params = self._verified(path, ann["digest"], version, ann["format"])
+            params = self._verified(where, ann["digest"], version, ann, ann["format"])
         if params is None:
             return False
         try:  # the policy takes them (an inference server may refuse or be gone)
@@ -265,39 +276,72 @@ class WeightsSubscriber:
             return False
         self.version = version
         self.accepted += 1
-        log.info("weights loaded version=%d path=%s", version, _cut(str(path)))
+        source = "directory" if isinstance(where, Path) else "cluster"
+        self.loaded_from[source] += 1
+        log.info(
+            "weights loaded version=%d path=%s from=%s",
+            version,
+            _cut(str(ann["checkpoint_uri"])),
+            source,
+        )
         return True
 
-    def _verified(self, path: Path, announced: str, version: int, fmt: str = "orbax") -> Any:
-        """The parameters at ``path`` if its files hash to ``announced`` and say
+    def _where(self, uri: str, transfer: dict[str, Any] | None) -> Path | dict[str, Any]:
+        """Where to read the checkpoint at ``uri``: its folder, when this producer may
+        and can read it, or else the trainer's ``transfer`` to the cluster, as
+        :attr:`source` allows (:class:`Refusal` when neither)."""
+        reason = "this producer's weights source is cluster"
+        if self.source != "cluster":
+            try:
+                path = checkpoint_path(uri, self.allowed_roots)
+                if path.is_dir() and os.access(path, os.R_OK | os.X_OK):
+                    return path
+                reason = f"{path} is not a readable folder here"
+            except ValueError as e:
+                reason = str(e)
+        if self.source == "directory":
+            raise Refusal("uri", reason)
+        if transfer is None:
+            raise Refusal("uri", f"{reason}, and the trainer sent no copy to the cluster")
+        return transfer
+
+    def _verified(
+        self,
+        where: Path | dict[str, Any],
+        announced: str,
+        version: int,
+        ann: dict[str, Any],
+        fmt: str = "orbax",
+    ) -> Any:
+        """The parameters at ``where`` if its files hash to ``announced`` and say
         ``version``, and every parameter is finite; else None (refused). They are
         restored from a private copy made while hashing; adapters (``orbax-lora``) are
         merged into their verified base."""
         try:
             with tempfile.TemporaryDirectory(prefix="rlstream-weights-") as tmp:
-                copy = self._copy(path, announced, Path(tmp) / "ckpt")
+                copy = self._copy(where, announced, Path(tmp) / "ckpt", version)
                 try:
                     saved = saved_version(copy)
                     meta = adapter_meta(copy)
                 except ValueError as e:
-                    raise _Refusal("version", str(e)) from None
+                    raise Refusal("version", str(e)) from None
                 if saved is not None and saved != version:
-                    raise _Refusal("version", f"announced version {version}, the files say {saved}")
+                    raise Refusal("version", f"announced version {version}, the files say {saved}")
                 if (meta is not None) != (fmt == "orbax-lora"):
-                    raise _Refusal("format", f"announced as {fmt}, the files say otherwise")
+                    raise Refusal("format", f"announced as {fmt}, the files say otherwise")
                 try:
                     if meta is None:
                         params = restore_params(copy, self.cfg)
                     else:
                         lora, base_uri, base_digest = meta
-                        base = self._base_params(base_uri, base_digest)
+                        base = self._base_params(base_uri, base_digest, ann.get("base_transfer"))
                         adapters = restore_adapters(copy, self.cfg, lora)
                         params = merged(base, adapters, lora.scale)
-                except _Refusal:
+                except Refusal:
                     raise
                 except Exception as e:  # any orbax failure keeps the old weights
-                    raise _Refusal("restore", repr(e)) from None
-        except _Refusal as r:
+                    raise Refusal("restore", repr(e)) from None
+        except Refusal as r:
             self._refuse(r.reason, r.detail)
             return None
         if not all_finite(params):
@@ -305,44 +349,44 @@ class WeightsSubscriber:
             return None
         return params
 
-    def _copy(self, path: Path, announced: str, into: Path) -> Path:
-        """A private copy of the checkpoint at ``path`` whose files hash to
-        ``announced`` (:class:`_Refusal` otherwise)."""
+    def _copy(self, where: Path | dict[str, Any], announced: str, into: Path, version: int) -> Path:
+        """A private copy of the checkpoint in the folder or the cluster's sending
+        ``where`` whose files hash to ``announced`` (:class:`Refusal` otherwise)."""
         try:
-            actual = snapshot(path, self.allowed_roots, into)
+            if isinstance(where, Path):
+                actual = snapshot(where, self.allowed_roots, into)
+            else:
+                actual = fetch_checkpoint(self.kafka, self.namespace, where, version, into)
+        except Refusal as e:
+            raise Refusal(f"transfer_{e.reason}", e.detail) from None
         except ValueError as e:
-            raise _Refusal("uri", str(e)) from None
+            raise Refusal("uri", str(e)) from None
         except OSError as e:
-            raise _Refusal("unreadable", str(e)) from None
+            raise Refusal("unreadable", str(e)) from None
         if actual != announced:
-            raise _Refusal("digest", f"{path}: announced {announced}, found {actual}")
+            raise Refusal("digest", f"{_cut(str(where))}: announced {announced}, found {actual}")
         return into
 
-    def _base_params(self, uri: str, announced: str) -> Any:
+    def _base_params(self, uri: str, announced: str, transfer: dict[str, Any] | None) -> Any:
         """The base checkpoint LoRA adapters name, verified like any announced one and
-        kept: loaded once however many adapter versions follow. The URI is checked first,
-        every time: a cached digest never vouches for a path outside the roots."""
+        kept: loaded once however many adapter versions follow. Where it is read from is
+        decided first, every time: a cached digest never vouches for a path outside the
+        roots."""
         try:
-            path = checkpoint_path(uri, self.allowed_roots)
-        except ValueError as e:
-            raise _Refusal("uri", f"base: {e}") from None
+            where = self._where(uri, transfer)
+        except Refusal as r:
+            raise Refusal(r.reason, f"base: {r.detail}") from None
         if self._base is not None and self._base[0] == announced:
             return self._base[1]
         with tempfile.TemporaryDirectory(prefix="rlstream-base-") as tmp:
-            params = restore_params(self._copy(path, announced, Path(tmp) / "base"), self.cfg)
+            copy = self._copy(where, announced, Path(tmp) / "base", 0)
+            params = restore_params(copy, self.cfg)
         if not all_finite(params):
-            raise _Refusal("non_finite", f"the base {path} holds NaN or infinity")
+            raise Refusal("non_finite", f"the base {uri} holds NaN or infinity")
         self._base = (announced, params)
-        log.info("weights base loaded path=%s", _cut(str(path)))
+        source = "directory" if isinstance(where, Path) else "cluster"
+        log.info("weights base loaded path=%s from=%s", _cut(uri), source)
         return params
-
-
-class _Refusal(Exception):
-    """An announcement refused for ``reason`` (a counter's name), with a detail."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(reason, detail)
-        self.reason, self.detail = reason, detail
 
 
 def _run_dir_of(uri: str) -> str:

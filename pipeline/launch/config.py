@@ -23,6 +23,7 @@ from pipeline.policy.config import (
     ModelConfig,
     SamplingConfig,
     check_swap_kv,
+    check_weights_source,
     logprob_temperature,
 )
 from pipeline.rollout.config import AdmissionConfig, EpisodeLimits, ProducerConfig, check_tools
@@ -90,6 +91,9 @@ class RunConfig:
     #: at a weights swap, the producers keep the key-value rows of conversations in
     #: flight or recompute them with the new weights (keep | recompute)
     swap_kv: str = _P.swap_kv
+    #: where the producers read the trainer's weights: auto (the run directory, readable
+    #: on this machine), directory or cluster (the copy the trainer sends to Kafka)
+    weights_source: str = _P.weights_source
     #: simulated environment latency, median in milliseconds (log-normal; 0: none)
     latency_ms: float = _P.latency_ms
     #: its log-normal shape
@@ -147,6 +151,7 @@ class RunConfig:
                 f"(the trainer then uses it), not grpo.temperature={self.grpo.temperature}"
             )
         check_swap_kv(self.swap_kv)
+        check_weights_source(self.weights_source)
         if self.eval_temperature is not None and not 0 <= self.eval_temperature < math.inf:
             raise InvalidConfigError(
                 f"eval_temperature must be a finite number >= 0, got {self.eval_temperature}"
@@ -236,6 +241,7 @@ class RunConfig:
             limits=EpisodeLimits(max_new_tokens=self.max_new_tokens),
             sampling=SamplingConfig(self.temperature, SamplingConfig.top_p, self.seed + 1 + i),
             swap_kv=self.swap_kv,
+            weights_source=self.weights_source,
             model=self.model,
             admission=AdmissionConfig(
                 max_staleness=-1 if self.sync else self.max_staleness,

@@ -13,7 +13,7 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -133,23 +133,69 @@ def snapshot(path: Path, roots: Sequence[Path], into: Path) -> str:
 
 
 def _hash_files(path: Path, roots: Sequence[Path] | None, into: Path | None) -> str:
-    h = hashlib.sha256()
-    for rel, f in _walk(path, roots, into):
-        h.update(rel.encode() + b"\0")
-        out = None
-        if into is not None:
-            out = (into / rel).open("xb")
-        try:
-            with f.open("rb") as fh:
-                for chunk in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(chunk)
-                    if out is not None:
-                        out.write(chunk)
-        finally:
+    h = ContentDigest()
+    out = None
+    try:
+        for rel, offset, _, data in file_chunks(path, roots, into=into):
+            if offset == 0:
+                h.file(rel)
+                if out is not None:
+                    out.close()
+                out = (into / rel).open("xb") if into is not None else None
+            h.update(data)
             if out is not None:
-                out.close()
-        h.update(b"\0")
-    return "sha256:" + h.hexdigest()
+                out.write(data)
+    finally:
+        if out is not None:
+            out.close()
+    return h.hexdigest()
+
+
+class ContentDigest:
+    """The :func:`digest` of files given one after another in sorted order, piece by
+    piece: ``file(name)`` before each file's bytes, ``update`` with them in order."""
+
+    def __init__(self) -> None:
+        self._h = hashlib.sha256()
+        self._open = False
+
+    def file(self, rel: str) -> None:
+        if self._open:
+            self._h.update(b"\0")
+        self._h.update(rel.encode() + b"\0")
+        self._open = True
+
+    def update(self, data: bytes | memoryview) -> None:
+        self._h.update(data)
+
+    def hexdigest(self) -> str:
+        h = self._h.copy()
+        if self._open:
+            h.update(b"\0")
+        return "sha256:" + h.hexdigest()
+
+
+def file_chunks(
+    path: Path,
+    roots: Sequence[Path] | None = None,
+    size: int = 1 << 20,
+    into: Path | None = None,
+) -> Iterator[tuple[str, int, int, bytes]]:
+    """``(relative name, offset, file size, bytes)`` of every file under ``path`` in
+    :func:`digest` order, at most ``size`` bytes at a time (an empty file gives one empty
+    piece); ``roots`` and ``into`` as for :func:`snapshot`."""
+    for rel, f in _walk(path, roots, into):
+        with f.open("rb") as fh:
+            total = os.fstat(fh.fileno()).st_size
+            offset = 0
+            while True:
+                data = fh.read(size)
+                if not data and offset:
+                    break
+                yield rel, offset, total, data
+                offset += len(data)
+                if not data:
+                    break
 
 
 def _walk(path: Path, roots: Sequence[Path] | None, into: Path | None) -> list[tuple[str, Path]]:

@@ -221,6 +221,16 @@ def check_swap_kv(value: object) -> None:
     check_choice("swap_kv", value, SWAP_KV)
 
 
+#: where a producer reads the checkpoints trainers announce: the announced folder when it
+#: is readable here and the copy sent to the cluster otherwise, only the folder, or only
+#: the cluster's copy
+WEIGHTS_SOURCES = ("auto", "directory", "cluster")
+
+
+def check_weights_source(value: object) -> None:
+    check_choice("weights_source", value, WEIGHTS_SOURCES)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
     """How tokens are drawn. ``temperature`` 0 is greedy."""

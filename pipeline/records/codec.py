@@ -21,6 +21,7 @@ checked against the bytes that are actually there.
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import time
@@ -202,6 +203,13 @@ class AvroCodec:
                 schema.canonical_form, native=self._native
             )
         return codec
+
+
+@functools.cache
+def shared_codec(name: str) -> AvroCodec:
+    """One codec of record ``name`` for this process's writers (it remembers the schema
+    registry's answers)."""
+    return AvroCodec(name)
 
 
 def _trajectory_fields(t: Trajectory) -> tuple[Any, ...]:

@@ -27,13 +27,14 @@ SCHEMA_FILES = (
     "Trajectory",
     "RecordedTrajectory",
     "WeightsAnnouncement",
+    "WeightsChunk",
     "DeadLetter",
     "Telemetry",
     "ProducerHeartbeat",
 )
 #: Earlier versions of shipped schemas, which records and recordings may still carry:
 #: known as writer schemas, read into the current version by Avro's resolution rules.
-HISTORY_FILES = ("Trajectory.v1",)
+HISTORY_FILES = ("Trajectory.v1", "WeightsAnnouncement.v1")
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,12 @@ from typing import Any, ClassVar
 
 from connectors.base import with_latency
 from pipeline.errors import InvalidConfigError, check_range
-from pipeline.policy.config import ModelConfig, SamplingConfig, check_swap_kv
+from pipeline.policy.config import (
+    ModelConfig,
+    SamplingConfig,
+    check_swap_kv,
+    check_weights_source,
+)
 from pipeline.records.trajectory import MAX_ABS_REWARD
 
 
@@ -145,6 +150,10 @@ class ProducerConfig:
     #: default: runs/ under the current directory, where rlstream train and rlstream run
     #: write); the single value none: never load announced weights
     checkpoint_roots: tuple[Path, ...] = (Path("runs"),)
+    #: where announced weights are read: auto (the announced folder when it lies under a
+    #: checkpoint root and is readable here, else the copy the trainer sent to the
+    #: cluster), directory or cluster
+    weights_source: str = "auto"
     #: append one JSON status line per second here (None: no status file)
     status_file: Path | None = None
     #: serve Prometheus metrics on this port (0: any free port; None: off)
@@ -199,6 +208,7 @@ class ProducerConfig:
             check_range(name, value, low)
         check_tools(self.tools)
         check_swap_kv(self.swap_kv)
+        check_weights_source(self.weights_source)
         if any(str(r) == "none" for r in self.checkpoint_roots):
             if len(self.checkpoint_roots) > 1:
                 raise InvalidConfigError(

@@ -123,6 +123,7 @@ class RolloutProducer:
                 self.tokenizer.id,
                 cfg.checkpoint_roots,
                 self._swap,
+                source=cfg.weights_source,
             )
         self._rng = random.Random(cfg.seed)
         self._env_name = env_name(cfg.env, cfg.env_kwargs)

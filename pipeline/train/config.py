@@ -280,6 +280,9 @@ class TrainerConfig:
     env_weights: Mapping[str, float] = dataclasses.field(default_factory=dict)
     #: save and announce weights every this many steps
     publish_every: int = 1
+    #: also send each published version's files to the cluster (<ns>.weights-data), so
+    #: that producers which cannot read the run directory (another machine) load them
+    weights_to_cluster: bool = True
     #: checkpoints kept on disk
     keep_checkpoints: int = 3
     #: stop after this many steps (None: run until stopped)

@@ -2,6 +2,10 @@
 on ``<ns>.weights``, and old versions pruned. With LoRA a version is its adapters alone
 (``format: orbax-lora``), and the base they apply to is saved once as ``weights/base``.
 
+With ``data_producer`` each announced version's files are also sent to the cluster
+(:mod:`pipeline.kafka.weights_data`) before it is announced, and the announcement says
+where, for producers that cannot read the run directory.
+
 This is the last step of the trainer's durability order (ledger, checkpoint, offsets,
 then this): a producer never hears of a version whose checkpoint is not durable.
 """
@@ -14,7 +18,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import confluent_kafka
+
 from pipeline.kafka.weights import announce, announcement
+from pipeline.kafka.weights_data import send_checkpoint
 from pipeline.policy.checkpoint import digest, save_params
 from pipeline.policy.lora import save_adapters
 from pipeline.train.config import TrainerConfig
@@ -24,18 +31,27 @@ log = logging.getLogger(__name__)
 
 class WeightsPublisher:
     """Saves ``weights/v<N>`` under the run directory and announces it with ``producer``
-    (None: saved only, as when training from a recording)."""
+    (None: saved only, as when training from a recording), its files sent to the cluster
+    with ``data_producer`` (None: not sent)."""
 
     def __init__(
-        self, cfg: TrainerConfig, producer: Any, tokenizer_id: str, lead: bool = True
+        self,
+        cfg: TrainerConfig,
+        producer: Any,
+        tokenizer_id: str,
+        lead: bool = True,
+        data_producer: Any = None,
     ) -> None:
         self.cfg = cfg
         self.producer = producer
+        self.data_producer = data_producer
         self.tokenizer_id = tokenizer_id
         #: in a trainer group every member saves its shards of the parameters; the lead
         #: (member 0) alone writes the version file, announces and prunes
         self.lead = lead
         self._base_digest = ""
+        #: where the base lies in the cluster, once sent
+        self._base_transfer: dict[str, Any] | None = None
 
     def publish(
         self,
@@ -77,16 +93,51 @@ class WeightsPublisher:
     def _announce(
         self, path: Path, version: int, step: int, metrics: dict[str, float], fmt: str
     ) -> None:
+        files_digest, transfer, base_transfer = None, None, None
+        if self.data_producer is not None:
+            try:
+                files_digest, transfer = send_checkpoint(
+                    self.data_producer, self.cfg.namespace, path, version
+                )
+                if fmt == "orbax-lora":
+                    base_transfer = self._sent_base()
+            except (TimeoutError, confluent_kafka.KafkaException, OSError) as e:
+                log.warning(
+                    "the files of version %d were not sent to the cluster (%s): producers "
+                    "that cannot read %s keep their weights",
+                    version,
+                    e,
+                    path,
+                )
+                transfer = base_transfer = None
         record = announcement(
-            version, step, path, self.cfg.model, self.tokenizer_id, self.cfg.trainer_id, metrics
+            version,
+            step,
+            path,
+            self.cfg.model,
+            self.tokenizer_id,
+            self.cfg.trainer_id,
+            metrics,
+            files_digest,
         )
         record["format"] = fmt
+        record["transfer"] = transfer
+        record["base_transfer"] = base_transfer
         try:
             announce(self.producer, self.cfg.namespace, record, timeout=self.cfg.announce_timeout_s)
         except TimeoutError:
             # the record stays queued in the client and is delivered when the cluster
             # answers again (within the delivery timeout); training goes on meanwhile
             log.warning("announcement of version %d not acknowledged yet", version)
+
+    def _sent_base(self) -> dict[str, Any]:
+        """Where the base adapters apply to lies in the cluster (sent the first time)."""
+        if self._base_transfer is None:
+            path = self.cfg.run_dir / "weights" / "base"
+            _, self._base_transfer = send_checkpoint(
+                self.data_producer, self.cfg.namespace, path, 0, key="base"
+            )
+        return self._base_transfer
 
     def _prune(self) -> None:
         keep = self.cfg.keep_checkpoints + self.cfg.max_staleness

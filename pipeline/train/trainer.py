@@ -205,8 +205,16 @@ class Trainer(PartitionReading):
         )
         self.producer = kafka.producer()
         self.dead_letters = DeadLetters(self.producer, cfg.namespace, cfg.trainer_id)
+        lead = self.members.lead
         self.publisher = WeightsPublisher(
-            cfg, self.producer if self.members.lead else None, self.tokenizer.id, self.members.lead
+            cfg,
+            self.producer if lead else None,
+            self.tokenizer.id,
+            lead,
+            # checkpoint files are not worth compressing
+            kafka.producer(**{"compression.type": "none"})
+            if lead and cfg.weights_to_cluster
+            else None,
         )
 
     @property

@@ -36,12 +36,14 @@ def test_topics_create_is_idempotent_and_describes(bootstrap: str, namespace: st
         f"{namespace}.rollouts.guess",
         f"{namespace}.rollouts.calc",
         f"{namespace}.weights",
+        f"{namespace}.weights-data",
         f"{namespace}.deadletter",
         f"{namespace}.telemetry",
         f"{namespace}.producers",
     }
     assert topics[f"{namespace}.rollouts.guess"]["partitions"] == 3
     assert topics[f"{namespace}.weights"]["config"]["cleanup.policy"] == "compact"
+    assert topics[f"{namespace}.weights-data"]["config"]["cleanup.policy"] == "compact"
     assert "created" in first.stdout
     second = rlstream(*args)
     assert {t["action"] for t in last_json(second.stdout)["topics"]} == {"exists"}

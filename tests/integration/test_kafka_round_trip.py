@@ -204,6 +204,8 @@ def _announcement(version: int) -> dict[str, object]:
         "created_at_ms": int(time.time() * 1000),
         "trainer_id": "trainer-0",
         "metrics": {"loss": 0.5},
+        "transfer": None,
+        "base_transfer": None,
     }
 
 

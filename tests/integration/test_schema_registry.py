@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import socket
@@ -473,10 +474,15 @@ def _read_framed(
 def test_every_topic_of_a_registry_run_reads_with_confluents_deserializer(
     bootstrap: str, kafka: KafkaConfig, schema_registry_url: str, tmp_path: Path
 ) -> None:
-    """``rlstream run --schema-registry``: rollouts, weights announcements, producer
-    heartbeats and telemetry are all in Confluent's framing, each under its own
-    ``<topic>-value`` subject, and read by ``AvroDeserializer``."""
-    from pipeline.kafka.topics import producers_topic, telemetry_topic, weights_topic
+    """``rlstream run --schema-registry``: rollouts, weights announcements and the files
+    they name, producer heartbeats and telemetry are all in Confluent's framing, each under
+    its own ``<topic>-value`` subject, and read by ``AvroDeserializer``."""
+    from pipeline.kafka.topics import (
+        producers_topic,
+        telemetry_topic,
+        weights_data_topic,
+        weights_topic,
+    )
     from tests.integration.test_run import SHORT
 
     namespace = f"t{os.urandom(5).hex()}"
@@ -495,6 +501,7 @@ def test_every_topic_of_a_registry_run_reads_with_confluents_deserializer(
     expected = {
         rollout_topic(namespace, "guess"): "Trajectory",
         weights_topic(namespace): "WeightsAnnouncement",
+        weights_data_topic(namespace): "WeightsChunk",
         producers_topic(namespace): "ProducerHeartbeat",
         telemetry_topic(namespace): "Telemetry",
     }
@@ -505,6 +512,10 @@ def test_every_topic_of_a_registry_run_reads_with_confluents_deserializer(
         values = _read_framed(kafka, schema_registry_url, topic, f"{namespace}.audit")
         if record == "WeightsAnnouncement":
             assert {v["policy_version"] for v in values} >= {2}
+            assert all(v["transfer"]["topic"] == weights_data_topic(namespace) for v in values)
+        if record == "WeightsChunk":  # the files of every version, as Confluent reads them
+            assert {v["policy_version"] for v in values} >= {1, 2}
+            assert all(hashlib.sha256(v["data"]).hexdigest() == v["sha256"] for v in values)
 
 
 def test_dead_letters_are_framed_for_the_registry(

@@ -195,7 +195,8 @@ def test_the_run_starts_a_group_of_two_trainers_and_restarts_it_whole(
     """``rlstream run --trainers 2`` training LoRA adapters: member 1 is SIGKILLed once
     its first step is done; the run restarts both members from the checkpoint and
     completes its steps; what the group announced are adapters on one base, which the
-    producer loaded."""
+    producer loaded through the cluster (``--weights-source cluster``: as a producer on
+    another machine, which cannot read the run directory, does)."""
     run_dir = tmp_path / "run"
     cmd = cli(
         "run",
@@ -219,6 +220,8 @@ def test_the_run_starts_a_group_of_two_trainers_and_restarts_it_whole(
         "1",
         "--lora.rank",
         "4",
+        "--weights-source",
+        "cluster",
         "--json",
     )
     run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -251,8 +254,11 @@ def test_the_run_starts_a_group_of_two_trainers_and_restarts_it_whole(
     assert all(len(v) == 1 for v in seen.values())  # nothing settled twice across the restart
     # the group announced adapters on the one base it saved, and the producer took them
     producer_log = (run_dir / "logs" / "producer-0.log").read_text()
-    assert "weights base loaded" in producer_log
-    loaded = [int(v) for v in re.findall(r"weights loaded version=(\d+)", producer_log)]
+    assert re.search(r"weights base loaded .*from=cluster", producer_log)
+    assert "from=directory" not in producer_log
+    loaded = [
+        int(v) for v in re.findall(r"weights loaded version=(\d+) .*from=cluster", producer_log)
+    ]
     assert loaded and max(loaded) >= 1
     meta = json.loads((run_dir / "weights" / f"v{max(loaded)}" / "rlstream.json").read_text())
     assert meta["lora"]["rank"] == 4

@@ -30,6 +30,7 @@ PY_CODEC = TrajectoryCodec(native=False)
 RECORDS = (
     "Trajectory",
     "WeightsAnnouncement",
+    "WeightsChunk",
     "DeadLetter",
     "Telemetry",
     "ProducerHeartbeat",
@@ -60,7 +61,8 @@ def random_value(s: Any, rng: random.Random, named: dict[str, Any]) -> Any:
     """A random value of Avro schema ``s`` (parsing canonical form), edge cases often."""
     if isinstance(s, list):
         null = s.index("null")
-        return None if rng.random() < 0.3 else random_value(s[1 - null], rng, named)
+        value = random_value(s[1 - null], rng, named)  # names a type defined in it
+        return None if rng.random() < 0.3 else value
     if isinstance(s, str) and s in named:
         return random_value(named[s], rng, named)
     kind = s if isinstance(s, str) else s["type"]

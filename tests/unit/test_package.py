@@ -66,7 +66,7 @@ def _run_installed(wheel: Path, tmp_path: Path) -> str:
 def test_wheel_ships_schemas_and_works_without_the_source_tree(tmp_path: Path) -> None:
     wheel = _build_wheel(tmp_path)
     names = zipfile.ZipFile(wheel).namelist()
-    for schema in ("Trajectory", "Tensor", "WeightsAnnouncement", "DeadLetter", "Telemetry"):
+    for schema in ("Trajectory", "Tensor", "WeightsAnnouncement", "WeightsChunk", "DeadLetter"):
         assert f"pipeline/schemas/{schema}.avsc" in names
     assert "pipeline/py.typed" in names and "pipeline/kafka_runtime/pom.xml" in names
     assert "pipeline/policy/_attention_native.cc" in names  # compiled on first use
