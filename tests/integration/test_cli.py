@@ -213,3 +213,8 @@ def test_bench_weights_sends_full_weights_and_adapters_to_a_running_producer(
     assert f["adapter_bytes"] < f["full_bytes"] <= f["base_bytes"] * 1.1
     assert f["adapters_first_propagation_s"] > 0 and f["adapters_propagation_p50_s"] > 0
     assert out["ratios"]["full_vs_adapter_bytes"] > 3
+    # the producer that reads the cluster's copy got every version too
+    assert f["cluster_applied"] == 4 and f["cluster_skipped"] == 0
+    assert f["cluster_propagation_p50_s"] > 0 and f["cluster_adapters_first_propagation_s"] > 0
+    assert min(f["disk_read_gbps"], f["loopback_gbps"], f["cluster_fetch_gbps"]) > 0
+    assert out["ratios"]["cluster_vs_directory_propagation"] > 0
