@@ -88,25 +88,62 @@ case "$cmd" in
     ;;
   test)
     setup test
-    echo "== ruff"
+    state="$root/.rlstream"
+    mkdir -p "$state"
+    # Made in the background, at low priority, while the suite runs (both take minutes
+    # and neither is needed before its end): llama.cpp's inference server, which the
+    # tests of producers sampling with an inference server run against (pytest runs them
+    # last and waits for the build; tests/conftest.py), and the verifiers environments'
+    # own virtual environment (their suite runs after this one).
+    background=()
+    kill_tree() {
+      local child
+      for child in $(pgrep -P "$1" 2>/dev/null); do kill_tree "$child"; done
+      kill "$1" 2>/dev/null || true
+    }
+    llama_done="$state/llama-server.done"
+    rm -f "$llama_done"
+    echo "== $(date +%T) building llama.cpp's server in the background (log: $state/llama-server.log)"
+    (
+      renice -n 19 "$BASHPID" >/dev/null 2>&1 || true
+      code=0
+      path="$(PYTHON="$venv/bin/python" bash infra/llama-server.sh 2>"$state/llama-server.log")" \
+        || code=$?
+      printf '%s\n%s\n' "$code" "$path" >"$llama_done.part"
+      mv "$llama_done.part" "$llama_done"
+    ) &
+    background+=("$!")
+    export RLSTREAM_LLAMA_SERVER_BUILD="$llama_done"
+    verifiers_venv="${RLSTREAM_VERIFIERS_VENV:-$root/.venv-verifiers}"
+    if [ "$#" -eq 0 ]; then
+      echo "== $(date +%T) making $verifiers_venv in the background (log: $state/verifiers-venv.log)"
+      (
+        renice -n 19 "$BASHPID" >/dev/null 2>&1 || true
+        venv="$verifiers_venv"
+        # the C extensions the suite is loading are used as they are, never rewritten
+        RLSTREAM_NO_C_EXTENSIONS=1 setup test-verifiers
+      ) >"$state/verifiers-venv.log" 2>&1 &
+      verifiers_setup=$!
+      background+=("$verifiers_setup")
+    fi
+    echo "== $(date +%T) ruff"
     "$venv/bin/ruff" check pipeline connectors tests
     "$venv/bin/ruff" format --check pipeline connectors tests
-    echo "== mypy"
+    echo "== $(date +%T) mypy"
     "$venv/bin/mypy"
-    # llama.cpp's inference server, which tests of producers sampling with an inference
-    # server run against (built once, a few minutes)
-    echo "== llama.cpp's server"
-    RLSTREAM_LLAMA_SERVER="$(PYTHON="$venv/bin/python" bash infra/llama-server.sh)"
-    export RLSTREAM_LLAMA_SERVER
-    broker_dir="$root/.rlstream/test-broker"
+    broker_dir="$state/test-broker"
     port="${RLSTREAM_TEST_PORT:-19092}"
     rm -rf "$broker_dir"
-    stop_broker() { "$venv/bin/rlstream" broker stop --data-dir "$broker_dir" --port "$port" || true; }
-    trap stop_broker EXIT
-    echo "== starting the local Kafka broker"
+    on_exit() {
+      local pid
+      for pid in "${background[@]}"; do kill_tree "$pid"; done
+      "$venv/bin/rlstream" broker stop --data-dir "$broker_dir" --port "$port" || true
+    }
+    trap on_exit EXIT
+    echo "== $(date +%T) starting the local Kafka broker"
     "$venv/bin/rlstream" broker start --data-dir "$broker_dir" --port "$port"
     export RLSTREAM_BOOTSTRAP="127.0.0.1:$port"
-    echo "== pytest"
+    echo "== $(date +%T) pytest"
     set +e
     "$venv/bin/python" -m pytest --durations=25 "$@"
     rc=$?
@@ -118,18 +155,22 @@ case "$cmd" in
     # mcp<2, the suite above mcp>=2.3 (skipped when pytest was given arguments)
     vrc=0
     if [ "$#" -eq 0 ]; then
-      echo "== pytest (verifiers environments, in ${RLSTREAM_VERIFIERS_VENV:-$root/.venv-verifiers})"
-      main_python="$venv/bin/python"
-      (venv="${RLSTREAM_VERIFIERS_VENV:-$root/.venv-verifiers}"; setup test-verifiers)
+      echo "== $(date +%T) pytest (verifiers environments, in $verifiers_venv)"
+      if ! wait "$verifiers_setup"; then
+        tail -30 "$state/verifiers-venv.log" >&2
+        die "could not make $verifiers_venv (log: $state/verifiers-venv.log)"
+      fi
       set +e
-      RLSTREAM_CLIENT_PYTHON="$main_python" \
-        "${RLSTREAM_VERIFIERS_VENV:-$root/.venv-verifiers}/bin/python" -m pytest tests/verifiers_suite
+      RLSTREAM_CLIENT_PYTHON="$venv/bin/python" \
+        "$verifiers_venv/bin/python" -m pytest tests/verifiers_suite
       vrc=$?
       set -e
       if [ "$vrc" -eq 5 ]; then
         echo "rlstream: pytest collected no verifiers tests" >&2
       fi
     fi
+    wait  # a build the selected tests did not need finishes (it is kept for the next run)
+    echo "== $(date +%T) done"
     if [ "$rc" -ne 0 ]; then exit "$rc"; fi
     exit "$vrc"
     ;;

@@ -8,7 +8,9 @@ import importlib.util
 import os
 import random
 import socket
+import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +35,49 @@ os.environ.setdefault("RLSTREAM_COMPILE_CACHE", tempfile.mkdtemp(prefix="rlstrea
 # brokers the tests start are noted here, not among the user's own
 os.environ.setdefault("RLSTREAM_STATE_DIR", tempfile.mkdtemp(prefix="rlstream-state-"))
 compile_cache.enable()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that need llama.cpp's server run last: ``infra/dev.sh test`` builds it in the
+    background while the others run."""
+    items.sort(key=lambda item: item.get_closest_marker("llama_server") is not None)
+
+
+@pytest.hookimpl(tryfirst=True, hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Before the first test that needs llama.cpp's server, and outside its timeout: wait
+    for the background build."""
+    if item.get_closest_marker("llama_server"):
+        await_llama_server()
+    yield
+
+
+def await_llama_server(limit_s: float = 3600.0) -> None:
+    """Wait until the build ``infra/dev.sh test`` started is done: the file named by
+    ``RLSTREAM_LLAMA_SERVER_BUILD`` then holds its exit status and the binary's path,
+    which becomes ``RLSTREAM_LLAMA_SERVER`` (or, if it failed,
+    ``RLSTREAM_LLAMA_SERVER_FAILED`` says why)."""
+    done = os.environ.get("RLSTREAM_LLAMA_SERVER_BUILD")
+    if (
+        not done
+        or os.environ.get("RLSTREAM_LLAMA_SERVER")
+        or os.environ.get("RLSTREAM_LLAMA_SERVER_FAILED")
+    ):
+        return
+    path = Path(done)
+    if not path.exists():
+        print(f"\nwaiting for llama.cpp's server to build ({path})", file=sys.stderr)
+    deadline = time.monotonic() + limit_s
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(2)
+    lines = path.read_text().splitlines() if path.exists() else []
+    if len(lines) >= 2 and lines[0] == "0":
+        os.environ["RLSTREAM_LLAMA_SERVER"] = lines[1]
+        return
+    log = path.with_name("llama-server.log")
+    tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+    status = f"exit status {lines[0]}" if lines else f"not done in {limit_s:.0f} s"
+    os.environ["RLSTREAM_LLAMA_SERVER_FAILED"] = f"its build failed ({status}): {log}\n{tail}"
 
 
 def free_port_pair(count: int = 2) -> int:

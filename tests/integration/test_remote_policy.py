@@ -38,12 +38,15 @@ from pipeline.rollout.producer import RolloutProducer
 from pipeline.rollout.status import status_line
 from tests.integration.test_producer import run_in_thread, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.llama_server]
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def server_binary() -> Path:
+    failed = os.environ.get("RLSTREAM_LLAMA_SERVER_FAILED")
+    if failed:
+        pytest.fail(f"llama.cpp's server is not built: {failed}")
     given = os.environ.get("RLSTREAM_LLAMA_SERVER")
     path = Path(given) if given else ROOT / "infra" / "llama.cpp" / "bin" / "llama-server"
     if not path.is_file():
