@@ -48,7 +48,7 @@ from pipeline.policy.config import LoRAConfig, ModelConfig
 from pipeline.policy.lora import init_adapters, save_adapters
 from pipeline.policy.model import init_model
 from pipeline.policy.server import PolicyServer
-from pipeline.policy.tokenizer import TOKENIZER_ID
+from pipeline.policy.tokenizer import tokenizer_for
 from pipeline.rollout.config import AdmissionConfig, EpisodeLimits, ProducerConfig
 from pipeline.rollout.producer import RolloutProducer
 
@@ -64,6 +64,7 @@ def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
     model_cfg = ModelConfig.from_name(args.model or "tiny")
     lora = LoRAConfig(rank=args.lora_rank)
     n = args.announcements
+    tokenizer_id = tokenizer_for(model_cfg.path).id  # a checkpoint directory's own
     with cluster as kafka, tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         ns = f"benchweights{uuid.uuid4().hex[:8]}"
@@ -116,7 +117,7 @@ def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
             files_digest, transfer = send_checkpoint(data, ns, path, version)
             send_s.append(time.perf_counter() - t0)
             record = announcement(
-                version, version, path, model_cfg, TOKENIZER_ID, "bench", None, files_digest
+                version, version, path, model_cfg, tokenizer_id, "bench", None, files_digest
             )
             record["format"] = "orbax" if kind == "full" else "orbax-lora"
             record["transfer"] = transfer
