@@ -4,7 +4,10 @@ on ``<ns>.weights``, and old versions pruned. With LoRA a version is its adapter
 
 With ``data_producer`` each announced version's files are also sent to the cluster
 (:mod:`pipeline.kafka.weights_data`) before it is announced, and the announcement says
-where, for producers that cannot read the run directory.
+where, for producers that cannot read the run directory. Sending and announcing run on a
+thread of their own, so training goes on meanwhile (in a trainer group, the other members
+never wait on the lead's sending); one version is sent at a time, in order, and
+:meth:`WeightsPublisher.close` waits for the last.
 
 This is the last step of the trainer's durability order (ledger, checkpoint, offsets,
 then this): a producer never hears of a version whose checkpoint is not durable.
@@ -14,6 +17,8 @@ from __future__ import annotations
 
 import logging
 import shutil
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -52,6 +57,8 @@ class WeightsPublisher:
         self._base_digest = ""
         #: where the base lies in the cluster, once sent
         self._base_transfer: dict[str, Any] | None = None
+        #: the sending and announcing of the last version published, while it runs
+        self._sending: threading.Thread | None = None
 
     def publish(
         self,
@@ -76,7 +83,14 @@ class WeightsPublisher:
         metrics = {k: v for k, v in m.items() if isinstance(v, float)}
         if self.producer is not None and self.lead:
             fmt = "orbax" if adapters is None else "orbax-lora"
-            self._announce(path, version, step, metrics, fmt)
+            self.wait()  # the version before is sent and announced first
+            self._sending = threading.Thread(
+                target=self._announce,
+                args=(path, version, step, metrics, fmt),
+                name=f"weights-v{version}",
+                daemon=True,
+            )
+            self._sending.start()
         if self.lead:
             self._prune()
         return path
@@ -91,6 +105,14 @@ class WeightsPublisher:
         return path
 
     def _announce(
+        self, path: Path, version: int, step: int, metrics: dict[str, float], fmt: str
+    ) -> None:
+        try:
+            self._send_and_announce(path, version, step, metrics, fmt)
+        except Exception:  # the thread ends; training goes on, the next version is sent
+            log.exception("version %d was not announced", version)
+
+    def _send_and_announce(
         self, path: Path, version: int, step: int, metrics: dict[str, float], fmt: str
     ) -> None:
         files_digest, transfer, base_transfer = None, None, None
@@ -129,6 +151,23 @@ class WeightsPublisher:
             # the record stays queued in the client and is delivered when the cluster
             # answers again (within the delivery timeout); training goes on meanwhile
             log.warning("announcement of version %d not acknowledged yet", version)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the last version published is sent and announced (at most
+        ``timeout`` seconds); False if it is not yet."""
+        if self._sending is None:
+            return True
+        self._sending.join(timeout)
+        return not self._sending.is_alive()
+
+    def close(self, timeout: float | None = None) -> None:
+        """At a stop: the last version's sending and announcement may finish."""
+        t0 = time.monotonic()
+        if not self.wait(timeout):
+            log.warning(
+                "the last version's weights were not sent and announced within %.0f s",
+                time.monotonic() - t0,
+            )
 
     def _sent_base(self) -> dict[str, Any]:
         """Where the base adapters apply to lies in the cluster (sent the first time)."""

@@ -344,6 +344,8 @@ class Trainer(PartitionReading):
             if self.watchdog is not None:
                 self.watchdog.close()
             budget = WaitBudget(self.cfg.stop_timeout_s)
+            # the last version's sending and announcement (committed before it began)
+            self.publisher.close(budget.left(self.cfg.stop_timeout_s / 2))
             self._finish_commits(budget.left(self.cfg.stop_timeout_s / 2))
             close_within(self.consumer, budget.left(), "trainer's consumer")
             if self.producer is not None:

@@ -57,7 +57,14 @@ def test_topics_list_describe_and_delete_a_namespace(bootstrap: str, namespace: 
     listed = last_json(rlstream("topics", "list", *where).stdout)["topics"]
     assert listed == sorted(
         f"{namespace}.{t}"
-        for t in ("deadletter", "producers", "rollouts.guess", "telemetry", "weights")
+        for t in (
+            "deadletter",
+            "producers",
+            "rollouts.guess",
+            "telemetry",
+            "weights",
+            "weights-data",
+        )
     )
     described = {
         t["name"]: t for t in last_json(rlstream("topics", "describe", *where).stdout)["topics"]
@@ -73,7 +80,7 @@ def test_topics_list_describe_and_delete_a_namespace(bootstrap: str, namespace: 
     assert last_json(rlstream("topics", "list", *where).stdout)["topics"] == []
     assert (
         len(last_json(rlstream("topics", "list", *where[:3], other, "--json").stdout)["topics"])
-        == 5
+        == 6
     )
     missing = rlstream("topics", "create", *where)
     assert missing.returncode == 2 and "--envs" in missing.stderr
