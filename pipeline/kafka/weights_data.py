@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import shutil
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -60,10 +61,12 @@ def send_checkpoint(
     version: int,
     key: str = "v",
     timeout: float | None = None,
+    stop: threading.Event | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """Send the files of the checkpoint at ``path``; ``(digest, transfer)`` once the
     cluster has every chunk. TimeoutError or confluent_kafka.KafkaException when it
-    does not within ``timeout`` (default: as long as a fetch of the same size may take)."""
+    does not within ``timeout`` (default: as long as a fetch of the same size may take),
+    or when ``stop`` is set first (a trainer stopping while the cluster is gone)."""
     topic = weights_data_topic(namespace)
     codec = shared_codec("WeightsChunk")
     framing = codec.framing_for(topic)
@@ -110,13 +113,19 @@ def send_checkpoint(
                 )
                 break
             except BufferError:  # the client's queue is full: let it send
+                if stop is not None and stop.is_set():
+                    raise TimeoutError(f"stopped after {count} weights chunks") from None
                 producer.poll(0.05)
         producer.poll(0)
         count += 1
         total += len(data)
     timeout = timeout if timeout is not None else _allowed_s(total)
-    if producer.flush(timeout):
-        raise TimeoutError(f"{count} weights chunks not all acknowledged in {timeout:.0f} s")
+    deadline = time.monotonic() + timeout
+    while producer.flush(min(1.0, max(0.0, deadline - time.monotonic()))):
+        if stop is not None and stop.is_set():
+            raise TimeoutError(f"stopped before {count} weights chunks were acknowledged")
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{count} weights chunks not all acknowledged in {timeout:.0f} s")
     if errors or len(offsets) != count:
         raise confluent_kafka.KafkaException(errors[0] if errors else "chunks not delivered")
     transfer = {

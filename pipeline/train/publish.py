@@ -59,6 +59,8 @@ class WeightsPublisher:
         self._base_transfer: dict[str, Any] | None = None
         #: the sending and announcing of the last version published, while it runs
         self._sending: threading.Thread | None = None
+        #: set at a stop that could not wait for the sending: it gives up
+        self._stop = threading.Event()
 
     def publish(
         self,
@@ -119,7 +121,7 @@ class WeightsPublisher:
         if self.data_producer is not None:
             try:
                 files_digest, transfer = send_checkpoint(
-                    self.data_producer, self.cfg.namespace, path, version
+                    self.data_producer, self.cfg.namespace, path, version, stop=self._stop
                 )
                 if fmt == "orbax-lora":
                     base_transfer = self._sent_base()
@@ -132,6 +134,8 @@ class WeightsPublisher:
                     path,
                 )
                 transfer = base_transfer = None
+            if self._stop.is_set():
+                return  # the trainer is stopping: the version is in its run directory
         record = announcement(
             version,
             step,
@@ -164,6 +168,8 @@ class WeightsPublisher:
         """At a stop: the last version's sending and announcement may finish."""
         t0 = time.monotonic()
         if not self.wait(timeout):
+            self._stop.set()
+            self.wait(2.0)
             log.warning(
                 "the last version's weights were not sent and announced within %.0f s",
                 time.monotonic() - t0,
@@ -174,7 +180,7 @@ class WeightsPublisher:
         if self._base_transfer is None:
             path = self.cfg.run_dir / "weights" / "base"
             _, self._base_transfer = send_checkpoint(
-                self.data_producer, self.cfg.namespace, path, 0, key="base"
+                self.data_producer, self.cfg.namespace, path, 0, key="base", stop=self._stop
             )
         return self._base_transfer
 

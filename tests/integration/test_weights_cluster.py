@@ -8,6 +8,7 @@ of it is loaded or written outside the private folder."""
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from pipeline.policy.model import init_model
 from pipeline.policy.tokenizer import TOKENIZER_ID
 from pipeline.records.codec import AvroCodec
 from pipeline.rollout.producer import RolloutProducer
+from pipeline.train import publish
 from pipeline.train.config import TrainerConfig
 from pipeline.train.publish import WeightsPublisher
 from tests.integration.test_producer import CFG, producer_config, run_in_thread, wait_for
@@ -268,3 +270,25 @@ def test_a_producer_that_cannot_read_the_trainer_s_folder_loads_from_the_cluster
             sub.stop()
         producer.stop()
         th.join(60)
+
+
+def test_a_trainer_stopping_while_the_cluster_is_gone_gives_up_the_sending_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sending runs beside training; at a stop it may take what is left of the stop's
+    budget, then gives up (one warning) instead of holding the trainer for its own
+    timeout; nothing is announced."""
+    gone = KafkaConfig(bootstrap="127.0.0.1:1", extra={"message.timeout.ms": "600000"})
+    cfg = TrainerConfig(namespace="gone", run_dir=tmp_path, model=CFG)
+    announced: list[Any] = []
+    monkeypatch.setattr(publish, "announce", lambda *a, **kw: announced.append(a))
+    announcer, sender = gone.producer(), gone.producer()
+    publisher = WeightsPublisher(cfg, announcer, TOKENIZER_ID, data_producer=sender)
+    t0 = time.monotonic()
+    publisher.publish(1, 1, lambda: init_model(CFG, 1), {})
+    assert time.monotonic() - t0 < 30  # saved; sending goes on beside
+    assert (tmp_path / "weights" / "v1").is_dir() and not publisher.wait(1.0)
+    t0 = time.monotonic()
+    publisher.close(1.0)
+    assert time.monotonic() - t0 < 5 and publisher.wait(0)
+    assert announced == []
