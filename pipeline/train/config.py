@@ -298,9 +298,10 @@ class TrainerConfig:
     #: how long a weights announcement may wait for the broker's acknowledgement before
     #: training goes on (the record stays queued and is delivered later)
     announce_timeout_s: float = 5.0
-    #: at a stop, how long the last offset commits, the consumer leaving its group and
-    #: the last announcement may wait on the cluster, together (s): a cluster that is gone
-    #: delays a stop this long once (what is not committed is in the checkpoint)
+    #: at a stop, how long the last version's sending and announcement (half of it at
+    #: most), the last offset commits and the consumer leaving its group may wait on the
+    #: cluster, together (s): a cluster that is gone delays a stop this long once (what
+    #: is not committed is in the checkpoint; what is not sent is in the run directory)
     stop_timeout_s: float = 20.0
     #: a record value larger than this goes to the dead-letter topic undecoded
     #: ("oversized"), so no single record can make the trainer hold more than this
