@@ -126,7 +126,7 @@ def _config(args: argparse.Namespace, sync: bool, latency_ms: float, sigma: floa
     return RunConfig(
         steps=args.steps or 30,
         sync=sync,
-        concurrency=args.concurrency,
+        concurrency=args.concurrency or 256,
         max_staleness=4 if args.max_staleness is None else args.max_staleness,
         latency_ms=latency_ms,
         latency_sigma=sigma,

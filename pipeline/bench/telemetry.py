@@ -40,7 +40,7 @@ def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
     seconds = args.seconds or 10.0
     pairs = max(2, args.rounds)  # the documented figure: 6
     with cluster as kafka:
-        return measure(kafka, seconds, pairs, args.concurrency)
+        return measure(kafka, seconds, pairs, args.concurrency or 256)
 
 
 def span_cost_s(n: int = 200_000) -> float:

@@ -73,7 +73,7 @@ def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
             namespace=ns,
             env="guess",
             env_options={"latency": LatencyModel(0.05, 1.0)},
-            concurrency=64,
+            concurrency=args.concurrency or 64,
             model=model_cfg,
             limits=EpisodeLimits(max_new_tokens=8),
             checkpoint_roots=(root,),

@@ -77,7 +77,12 @@ def register(sub: Any) -> None:
         default=None,
         help="its log-normal shape (rollout: 1, async: 1.5)",
     )
-    p.add_argument("--concurrency", type=int, default=256, help="episodes in flight (async)")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="episodes in flight (async, telemetry: 256; weights: 64 per producer)",
+    )
     p.add_argument(
         "--eval-episodes", type=int, default=200, help="held-out episodes per policy (async)"
     )
