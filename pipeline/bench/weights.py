@@ -101,7 +101,7 @@ def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
         base = save_params(root / "base", init_model(model_cfg, seed=0), 0)
         base_bytes = _bytes(base)
         base_digest, base_transfer = send_checkpoint(data, ns, base, 0, key="base")
-        paths: dict[str, Any] = {}
+        last_full: tuple[Path, dict[str, Any]] | None = None
         for version in range(1, 2 * n + 1):
             kind = "full" if version <= n else "adapters"
             path = root / f"v{version}"
@@ -125,8 +125,8 @@ def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
             created[version] = record["created_at_ms"] / 1000
             announce(publisher, ns, record)
             time.sleep(args.interval)
-            if version == n:  # before adapters overwrite its chunks
-                paths["throughput"] = (path, transfer)
+            if version == n:  # read back before adapters overwrite its chunks
+                last_full = (path, transfer)
         deadline = time.monotonic() + 60 + 2 * n * max(send_s)
         while any(p.version < 2 * n for p in producers.values()):
             if time.monotonic() > deadline:
@@ -136,8 +136,8 @@ def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
             p.stop()
         for th in threads:
             th.join(120)
-        last_path, last_transfer = paths["throughput"]
-        throughput = _throughputs(kafka, ns, root, last_path, last_transfer, n)
+        assert last_full is not None
+        throughput = _throughputs(kafka, ns, root, *last_full, n)
     each = {source: _swaps(p, created, n) for source, p in producers.items()}
     ours, theirs = each["directory"], each["cluster"]
     full_bytes, adapter_bytes = (

@@ -266,7 +266,7 @@ class WeightsSubscriber:
                 )
             return False
         with span("weights_restore", "weights", version=version):
-            params = self._verified(where, ann["digest"], version, ann, ann["format"])
+            params = self._verified(where, ann, version)
         if params is None:
             return False
         try:  # the policy takes them (an inference server may refuse or be gone)
@@ -276,13 +276,12 @@ class WeightsSubscriber:
             return False
         self.version = version
         self.accepted += 1
-        source = "directory" if isinstance(where, Path) else "cluster"
-        self.loaded_from[source] += 1
+        self.loaded_from[_source(where)] += 1
         log.info(
             "weights loaded version=%d path=%s from=%s",
             version,
             _cut(str(ann["checkpoint_uri"])),
-            source,
+            _source(where),
         )
         return True
 
@@ -305,18 +304,12 @@ class WeightsSubscriber:
             raise Refusal("uri", f"{reason}, and the trainer sent no copy to the cluster")
         return transfer
 
-    def _verified(
-        self,
-        where: Path | dict[str, Any],
-        announced: str,
-        version: int,
-        ann: dict[str, Any],
-        fmt: str = "orbax",
-    ) -> Any:
-        """The parameters at ``where`` if its files hash to ``announced`` and say
-        ``version``, and every parameter is finite; else None (refused). They are
-        restored from a private copy made while hashing; adapters (``orbax-lora``) are
-        merged into their verified base."""
+    def _verified(self, where: Path | dict[str, Any], ann: dict[str, Any], version: int) -> Any:
+        """The parameters of announcement ``ann`` read from ``where`` if its files hash
+        to the announced digest and say ``version``, and every parameter is finite; else
+        None (refused). They are restored from a private copy made while hashing; adapters
+        (``orbax-lora``) are merged into their verified base."""
+        announced, fmt = ann["digest"], ann["format"]
         try:
             with tempfile.TemporaryDirectory(prefix="rlstream-weights-") as tmp:
                 copy = self._copy(where, announced, Path(tmp) / "ckpt", version)
@@ -384,9 +377,13 @@ class WeightsSubscriber:
         if not all_finite(params):
             raise Refusal("non_finite", f"the base {uri} holds NaN or infinity")
         self._base = (announced, params)
-        source = "directory" if isinstance(where, Path) else "cluster"
-        log.info("weights base loaded path=%s from=%s", _cut(uri), source)
+        log.info("weights base loaded path=%s from=%s", _cut(uri), _source(where))
         return params
+
+
+def _source(where: Path | dict[str, Any]) -> str:
+    """Where files were read from: the folder (a path) or the cluster (a sending)."""
+    return "directory" if isinstance(where, Path) else "cluster"
 
 
 def _run_dir_of(uri: str) -> str:
