@@ -256,3 +256,14 @@ def test_produce_refuses_an_unknown_environment_before_connecting(
     assert main(["produce", "--env", "nosuchenv", "--bootstrap", "127.0.0.1:1"]) == 2
     assert "unknown environment 'nosuchenv'" in capsys.readouterr().err
     assert time.monotonic() - start < 5  # no connection was attempted
+
+
+def test_a_weights_source_that_is_none_of_the_three_is_refused_by_name() -> None:
+    from pipeline.launch.config import RunConfig
+    from pipeline.rollout.config import ProducerConfig
+
+    for make in (ProducerConfig, RunConfig):
+        for bad in ("nfs", "", "Cluster", None):
+            with pytest.raises(InvalidConfigError, match="auto, directory, cluster"):
+                make(weights_source=bad)  # type: ignore[arg-type]
+    assert ProducerConfig(weights_source="cluster").weights_source == "cluster"
