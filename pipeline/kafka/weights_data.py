@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import queue
 import shutil
 import threading
 import time
@@ -40,6 +41,8 @@ log = logging.getLogger(__name__)
 
 #: bytes of checkpoint per chunk record (records may be 16 MiB: see kafka.client)
 CHUNK_BYTES = 4 * 1024 * 1024
+#: bytes per fetch of chunks (a few chunks: see fetch_checkpoint)
+FETCH_BYTES = 4 * CHUNK_BYTES
 #: a sending or a fetch may take this long plus a second per :data:`SLOWEST_BYTES_PER_S` bytes
 FETCH_BASE_S = 60.0
 SLOWEST_BYTES_PER_S = 10 * 1024 * 1024
@@ -157,7 +160,12 @@ def fetch_checkpoint(
         raise Refusal("too_large", f"{size} bytes announced, {free} free in {into.parent}")
     into.mkdir()
     deadline = time.monotonic() + (timeout if timeout is not None else _allowed_s(size))
-    consumer = kafka.consumer(None, **{"enable.partition.eof": True})
+    # fetches of a few chunks: buffers larger than the allocator keeps (64 MiB, the
+    # consumers' default) are fresh memory for every fetch, and faulting it in made the
+    # first fetch of a process four times slower
+    consumer = kafka.consumer(
+        None, **{"enable.partition.eof": True, "fetch.max.bytes": FETCH_BYTES}
+    )
     consumer.assign([confluent_kafka.TopicPartition(transfer["topic"], 0, first)])
     writer = _Assembly(into, transfer["transfer_id"], version, chunks, size)
     try:
@@ -181,10 +189,10 @@ def fetch_checkpoint(
                 writer.take(msg.value() or b"")
                 if writer.done:
                     break
+        return writer.finish()
     finally:
         writer.close()
         consumer.close()
-    return writer.digest.hexdigest()
 
 
 def _allowed_s(size: int) -> float:
@@ -214,7 +222,16 @@ def _checked(namespace: str, transfer: Any) -> tuple[int, int, int, int]:
 
 
 class _Assembly:
-    """The files of one sending written into ``into`` as its chunks arrive, in order."""
+    """The files of one sending written into ``into`` as its chunks arrive, in order.
+
+    :meth:`take` decodes a chunk and checks where it goes at once (the caller's thread);
+    hashing it, adding it to the digest and writing it happen in order on a thread of
+    their own (both release the interpreter), so that the next chunks are fetched and
+    decoded meanwhile. A failure there is raised by the next :meth:`take` or by
+    :meth:`finish`."""
+
+    #: chunks decoded and waiting to be hashed and written (at most this many in memory)
+    AHEAD = 8
 
     def __init__(self, into: Path, transfer_id: str, version: int, chunks: int, size: int):
         self.into, self.transfer_id, self.version = into, transfer_id, version
@@ -225,14 +242,20 @@ class _Assembly:
         self.written = 0
         self.file = ""
         self.file_size = 0
-        self.at = 0  # bytes of the current file written
-        self.out: Any = None
+        self.at = 0  # bytes of the current file placed
+        self.out: Any = None  # the file being written (by the writer thread), and its name
+        self.writing = ""
+        self._work: queue.Queue[tuple[Any, ...] | None] = queue.Queue(self.AHEAD)
+        self._failed: Refusal | None = None
+        self._writer = threading.Thread(target=self._write_all, name="weights-fetch", daemon=True)
+        self._writer.start()
 
     @property
     def done(self) -> bool:
         return self.index == self.chunks
 
     def take(self, value: bytes) -> None:
+        self._raise_failure()
         try:
             c = self.codec.decode(value)
         except RecordDecodeError as e:
@@ -246,20 +269,23 @@ class _Assembly:
                 "version", f"chunk of version {c['policy_version']}, announced {self.version}"
             )
         data: bytes = c["data"]
-        if hashlib.sha256(data).hexdigest() != c["sha256"]:
-            raise Refusal("chunk_digest", f"chunk {self.index} does not hash to its sha256")
         self._place(c["file"], c["offset"], c["file_size"], len(data))
         self.written += len(data)
         if self.written > self.size:
             raise Refusal("too_large", f"more than the announced {self.size} bytes")
-        self.digest.update(data)
-        self.out.write(data)
+        self._work.put(("data", self.index, data, c["sha256"]))
         self.at += len(data)
         self.index += 1
         if self.done:
             self._end_file()
             if self.written != self.size:
                 raise Refusal("incomplete", f"{self.written} bytes of the announced {self.size}")
+
+    def finish(self) -> str:
+        """Wait for every chunk to be written; the digest of the files."""
+        self._stop()
+        self._raise_failure()
+        return self.digest.hexdigest()
 
     def _place(self, rel: str, offset: int, file_size: int, n: int) -> None:
         """Open ``rel`` when the chunk begins a file; check it continues the current one
@@ -269,14 +295,8 @@ class _Assembly:
             _check_file_name(rel)
             if self.file and rel <= self.file:
                 raise Refusal("order", f"file {rel!r} after {self.file!r}")
-            target = self.into / rel
-            try:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                self.out = target.open("xb")
-            except OSError as e:
-                raise Refusal("file", f"{rel!r}: {e}") from None
+            self._work.put(("open", rel))
             self.file, self.file_size, self.at = rel, file_size, 0
-            self.digest.file(rel)
         elif rel != self.file or offset != self.at or file_size != self.file_size:
             raise Refusal(
                 "order", f"bytes {offset}.. of {rel!r} where {self.file!r} is at {self.at}"
@@ -285,17 +305,63 @@ class _Assembly:
             raise Refusal("too_large", f"{rel!r} longer than its {self.file_size} bytes")
 
     def _end_file(self) -> None:
-        if self.out is None:
-            return
-        self.out.close()
-        self.out = None
-        if self.at != self.file_size:
+        if self.file and self.at != self.file_size:
             raise Refusal("incomplete", f"{self.file!r}: {self.at} of its {self.file_size} bytes")
+        self._work.put(("close",))
 
-    def close(self) -> None:
+    def _write_all(self) -> None:
+        """The writer thread: each step in order, until the end or the first failure
+        (after which steps are only taken off the queue)."""
+        while (step := self._work.get()) is not None:
+            if self._failed is not None:
+                continue
+            try:
+                self._write(step)
+            except Refusal as r:
+                self._failed = r
+            except Exception as e:  # the thread never dies with steps still coming
+                self._failed = Refusal("file", repr(e))
         if self.out is not None:
             self.out.close()
             self.out = None
+
+    def _write(self, step: tuple[Any, ...]) -> None:
+        if step[0] == "open":
+            rel = step[1]
+            target = self.into / rel
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                self.out = target.open("xb")
+            except OSError as e:
+                raise Refusal("file", f"{rel!r}: {e}") from None
+            self.writing = rel
+            self.digest.file(rel)
+        elif step[0] == "close":
+            if self.out is not None:
+                self.out.close()
+                self.out = None
+        else:
+            _, index, data, sha256 = step
+            if hashlib.sha256(data).hexdigest() != sha256:
+                raise Refusal("chunk_digest", f"chunk {index} does not hash to its sha256")
+            self.digest.update(data)
+            try:
+                self.out.write(data)
+            except OSError as e:
+                raise Refusal("file", f"{self.writing!r}: {e}") from None
+
+    def _raise_failure(self) -> None:
+        if self._failed is not None:
+            raise self._failed
+
+    def _stop(self) -> None:
+        if self._writer.is_alive():
+            self._work.put(None)
+            self._writer.join()
+
+    def close(self) -> None:
+        """Stop the writer thread (after what it holds) and close the open file."""
+        self._stop()
 
 
 def _check_file_name(rel: str) -> None:
