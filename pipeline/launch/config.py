@@ -72,7 +72,7 @@ class RunConfig:
     #: trainer drops after)
     max_staleness: int = _T.max_staleness
     #: train a group this long (s) after its first member arrived with the members that
-    #: have (at least min_group_members); later members are dropped as late (0: off)
+    #: have (at least min_group_members); later members as late_members says (0: off)
     group_deadline_s: float = _T.group_deadline_s
     #: the fewest members a group is trained with at its deadline
     min_group_members: int = _T.min_group_members
@@ -83,6 +83,10 @@ class RunConfig:
     #: the trainer drops a trajectory whose oldest tokens are past the staleness bound
     #: (drop), or trains it with no gradient through those tokens (mask)
     stale_tokens: str = _T.stale_tokens
+    #: a member that arrives after its group was trained at its deadline: dropped (drop)
+    #: or trained alone in a later batch, its advantage over its group's trained members
+    #: and itself (train)
+    late_members: str = _T.late_members
     #: sampling temperature of the producers
     temperature: float = SamplingConfig.temperature
     #: sampling temperature of the held-out evaluations (None: the producers'); fixed,
@@ -204,6 +208,7 @@ class RunConfig:
             group_deadline_s=self.group_deadline_s,
             min_group_members=self.min_group_members,
             stale_tokens=self.stale_tokens,
+            late_members=self.late_members,
             batch_timeout_s=3600.0 if self.sync else TrainerConfig.batch_timeout_s,
             max_steps=self.steps,
             seed=self.seed,

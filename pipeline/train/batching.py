@@ -2,8 +2,9 @@
 
 :class:`GroupBuffer` holds trajectories until their GRPO group is complete (an incomplete
 group past its timeout is dropped; with a deadline, one that has enough members by then
-is trained with them and its later members are refused as ``late``; the buffer is bounded
-and drops its oldest groups when full). A member that repeats a group index or a
+is trained with them and its later members are refused as ``late``, or handed out one by
+one to be trained with their group's earlier rewards as the baseline; the buffer is
+bounded and drops its oldest groups when full). A member that repeats a group index or a
 trajectory id already in its group, or arrives for a group completed recently, is refused
 as ``duplicate``; one of another environment than its group as ``env_mismatch``: the
 caller settles it with that reason.
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -47,6 +48,11 @@ class Group:
     first_seen: float
     members: dict[int, Member] = field(default_factory=dict)
     ids: set[str] = field(default_factory=set)
+    #: a member that came after its group was trained at its deadline, alone
+    late: bool = False
+    #: a late member's: the (shaped) rewards of the members its group was trained with at
+    #: its deadline; its advantage is computed over them and its own
+    baseline: np.ndarray | None = None
 
     @property
     def complete(self) -> bool:
@@ -84,9 +90,20 @@ class GroupBuffer:
     they are. The ids of the last ``remember`` completed groups are kept, so that a late
     repeat of a trained group is refused."""
 
-    def __init__(self, max_records: int, timeout_s: float, remember: int = 65536) -> None:
+    def __init__(
+        self,
+        max_records: int,
+        timeout_s: float,
+        remember: int = 65536,
+        late_rewards: Callable[[Group], np.ndarray] | None = None,
+    ) -> None:
         self.max_records = max_records
         self.timeout_s = timeout_s
+        #: with it, a late member is handed out alone (a :class:`Group` with ``late``) with
+        #: the rewards of its group's members trained before it, not refused
+        self.late_rewards = late_rewards
+        #: those rewards, per group that went partial
+        self._baselines: dict[str, np.ndarray] = {}
         self._groups: OrderedDict[str, Group] = OrderedDict()
         #: groups handed out, each with its members' indices if it went partial
         self._done: OrderedDict[str, frozenset[int] | None] = OrderedDict()
@@ -99,6 +116,8 @@ class GroupBuffer:
         if t.group_id in self._done:
             trained = self._done[t.group_id]
             if trained is not None and t.group_index not in trained:
+                if self.late_rewards is not None:
+                    return self._late(t, where, trained)
                 return Refused("late", f"group {t.group_id[:80]} went to training without it")
             return Refused("duplicate", f"group {t.group_id[:80]} is already complete")
         why = self._refused.get(t.group_id)
@@ -123,11 +142,24 @@ class GroupBuffer:
             return g
         return None
 
+    def _late(self, t: Trajectory, where: Coordinates, trained: frozenset[int]) -> Group:
+        """A late member, alone, with the rewards of the members its group was trained
+        with at its deadline; a repeat of it is a duplicate from now on."""
+        self._done[t.group_id] = trained | {t.group_index}
+        g = Group(t.group_id, t.env, t.group_size, time.monotonic(), late=True)
+        g.members[t.group_index] = Member(t, where)
+        g.ids.add(t.trajectory_id)
+        g.baseline = self._baselines.get(t.group_id)
+        return g
+
     def _hand_out(self, gid: str, partial: bool = False) -> Group:
         g = self._remove(gid)
         self._done[gid] = frozenset(g.members) if partial else None
+        if partial and self.late_rewards is not None:
+            self._baselines[gid] = self.late_rewards(g)
         if len(self._done) > self._remember:
-            self._done.popitem(last=False)
+            old, _ = self._done.popitem(last=False)
+            self._baselines.pop(old, None)
         return g
 
     def due(self, deadline_s: float, min_members: int, now: float | None = None) -> list[Group]:
@@ -184,10 +216,16 @@ class GroupBuffer:
         self.records = 0
         return out
 
-    def forget_done(self, group_ids: Iterable[str]) -> None:
-        """Groups completed but not trained, whose members will be read again."""
-        for gid in group_ids:
-            self._done.pop(gid, None)
+    def forget_done(self, groups: Iterable[Group]) -> None:
+        """Groups completed but not trained, whose members will be read again (of a
+        late member's, only it: its group's earlier members were trained)."""
+        for g in groups:
+            trained = self._done.get(g.group_id)
+            if g.late and trained is not None:
+                self._done[g.group_id] = trained - frozenset(g.members)
+            else:
+                self._done.pop(g.group_id, None)
+                self._baselines.pop(g.group_id, None)
 
 
 class GroupQueue:
@@ -268,6 +306,13 @@ def group_rewards(g: Group, grpo: GRPOConfig) -> np.ndarray:
     return np.asarray(out, np.float64)
 
 
+def all_rewards(g: Group, grpo: GRPOConfig) -> np.ndarray:
+    """The rewards its advantages are computed over: a late member's group's earlier
+    members' and its own; any other group's own (:func:`group_rewards`)."""
+    own = group_rewards(g, grpo)
+    return own if g.baseline is None else np.concatenate([g.baseline, own])
+
+
 def _advantaged(groups: Sequence[Group], grpo: GRPOConfig) -> list[tuple[Member, float, float]]:
     """Each group's members in index order with their advantages
     (:mod:`pipeline.train.advantages`; 0 with a critic, which makes its own in the step)
@@ -277,8 +322,9 @@ def _advantaged(groups: Sequence[Group], grpo: GRPOConfig) -> list[tuple[Member,
         rewards = group_rewards(g, grpo)
         if grpo.advantage == "gae":
             adv = np.zeros_like(rewards)
-        else:
-            adv = advantages(rewards, grpo.advantage, grpo.adv_eps)
+        else:  # over the group's earlier members too, for a late member's
+            adv = advantages(all_rewards(g, grpo), grpo.advantage, grpo.adv_eps)
+            adv = adv[len(adv) - len(rewards) :]
         out += [
             (g.members[i], float(adv[k]), float(rewards[k]))
             for k, i in enumerate(sorted(g.members))

@@ -17,6 +17,9 @@ from pipeline.records.trajectory import MAX_ABS_REWARD
 #: what the trainer does with a trajectory whose oldest tokens are past the staleness
 #: bound (``TrainerConfig.stale_tokens``)
 STALE_TOKENS = ("drop", "mask")
+#: what the trainer does with a member that arrives after its group was trained at its
+#: deadline (``TrainerConfig.late_members``)
+LATE_MEMBERS = ("drop", "train")
 #: how a step's token losses are averaged (``GRPOConfig.aggregation``)
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 
@@ -259,10 +262,14 @@ class TrainerConfig:
     group_timeout_s: float = 120.0
     #: train a group this long (s) after its first member arrived with the members that
     #: have arrived, if at least min_group_members have (advantages over them); members
-    #: that arrive later are dropped as ``late``. 0: wait for the whole group
+    #: that arrive later are handled as ``late_members`` says. 0: wait for the whole group
     group_deadline_s: float = 0.0
     #: the fewest members a group is trained with at its deadline
     min_group_members: int = 2
+    #: a member arriving after its group was trained at its deadline: ``drop`` it (as
+    #: ``late``), or ``train`` it in a later batch, its advantage computed over its group's
+    #: members trained before it and itself
+    late_members: str = "drop"
     #: a trajectory whose oldest tokens are past the staleness bound: ``drop`` it whole,
     #: or ``mask`` the tokens of versions past the bound (no gradient through them; the
     #: rest trains and its group stays whole), dropping it only when all of them are
@@ -371,6 +378,7 @@ class TrainerConfig:
             check_range(name, value, low, above=above)
         check_range("min_logprob", self.min_logprob, high=0.0)
         check_choice("stale_tokens", self.stale_tokens, STALE_TOKENS)
+        check_choice("late_members", self.late_members, LATE_MEMBERS)
         if self.group_deadline_s:
             check_range("group_deadline_s", self.group_deadline_s, 0, above=True)
             if self.group_deadline_s >= self.group_timeout_s:

@@ -176,7 +176,7 @@ class PartitionReading:
         else:
             dropped = self.buffer.drop_partitions(tps) + self.ready.drop_partitions(tps)
             self.held.drop_partitions(tps)
-        self.buffer.forget_done(g.group_id for g in dropped)  # they will complete again
+        self.buffer.forget_done(dropped)  # they will complete again
         for tp in self.tracker.partitions() if tps is None else tps:
             self.tracker.let_go(tp)
         return len(dropped)

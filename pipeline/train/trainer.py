@@ -55,6 +55,7 @@ from pipeline.train.batching import (
     GroupBuffer,
     GroupQueue,
     Refused,
+    all_rewards,
     assemble,
     bucket_for,
     group_rewards,
@@ -139,11 +140,14 @@ class Trainer(PartitionReading):
         self.tracker = PositionTracker()
         self.version = 0
         self.version_times: dict[int, int] = {}
-        self.buffer = GroupBuffer(cfg.max_buffered, cfg.group_timeout_s)
+        late = (lambda g: group_rewards(g, cfg.grpo)) if cfg.late_members == "train" else None
+        self.buffer = GroupBuffer(cfg.max_buffered, cfg.group_timeout_s, late_rewards=late)
         self.ready = GroupQueue(cfg.env_weights)
         self.drops: Counter[str] = Counter()
-        #: groups trained without all their members, at their deadline
+        #: groups trained without all their members, at their deadline; members that came
+        #: after and were trained alone (``late_members: train``)
         self.partial_groups = 0
+        self.late_members = 0
         self.drops_by_env: Counter[str] = Counter()
         self.stale_ranges = StaleRanges(kafka)
         self.nonfinite_steps = 0  # steps not applied (non-finite loss or gradient)
@@ -472,6 +476,9 @@ class Trainer(PartitionReading):
                 self.dead_letters.send(m, RecordDecodeError(group.reason, group.detail))
             return self._drop(t.trajectory_id, where, group.reason, env)
         if group is not None:
+            if group.late:
+                self.late_members += 1
+                metric("late_member", 1, env=group.env)
             self.ready.put(group)
         return None
 
@@ -537,7 +544,7 @@ class Trainer(PartitionReading):
                 if self._all_stale([m.trajectory for m in g.members.values()]):
                     self._drop_group(g, "stale")
                 elif self.cfg.grpo.dynamic_sampling and zero_variance(
-                    group_rewards(g, self.cfg.grpo)
+                    all_rewards(g, self.cfg.grpo)
                 ):
                     self._drop_group(g, "zero_variance")  # DAPO: no signal in it
                 else:
@@ -615,6 +622,7 @@ class Trainer(PartitionReading):
                 "tool_error_rate": {e: tool_error_rate(ts) for e, ts in by_env.items()},
                 "drops": dict(self.drops),
                 "partial_groups": self.partial_groups,
+                "late_members": self.late_members,
                 "lag": self._lag(),
             }
         )

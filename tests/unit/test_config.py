@@ -240,11 +240,10 @@ def test_bench_learn_refuses_a_bad_environment_before_any_run(
         (["--env", "guess", "--env-option", "high=NaN"], "high must be an integer"),
         (["--env", "reasoning-gym:no_such_dataset"], "not registered"),
     ):
-        start = time.monotonic()
+        # (no broker answers at that address: a run started would fail otherwise)
         assert main(["bench", "learn", *flags, "--bootstrap", "127.0.0.1:1"]) == 2
         err = capsys.readouterr().err
         assert says in err and err.count("\n") == 1, err
-        assert time.monotonic() - start < 10  # no broker, no run was started
 
 
 def test_produce_refuses_an_unknown_environment_before_connecting(

@@ -307,6 +307,43 @@ def test_a_partial_group_trains_at_its_deadline_and_its_late_members_are_dropped
     assert trainer.drops["incomplete_group"] == 2 and trainer.partial_groups == 1
 
 
+def test_late_members_kept_are_trained_alone_and_settled_once(tmp_path: Path) -> None:
+    """``late_members: train``: a member arriving after its group was trained at its
+    deadline goes to the ready queue alone, counted (``late_members``), not dropped; its
+    advantage is computed over the group's trained rewards and its own; a repeat of it
+    is a duplicate dead letter; dynamic sampling judges it with its group's rewards."""
+    from pipeline.train.batching import assemble
+    from pipeline.train.config import GRPOConfig, TrainerConfig
+
+    intake = _Intake(
+        tmp_path,
+        11,
+        group_timeout_s=60,
+        group_deadline_s=5,
+        min_group_members=2,
+        late_members="train",
+        grpo=GRPOConfig(dynamic_sampling=True),
+    )
+    trainer = intake.trainer
+    for i, reward in enumerate((1.0, 0.0)):
+        intake.send("slow", i, reward=reward)
+    start = min(g.first_seen for g in trainer.buffer)
+    trainer._expire_groups(now=start + 6.0)
+    (group,) = trainer.ready.take(1)
+    assert sorted(group.members) == [0, 1]
+    intake.send("slow", 2, reward=1.0)
+    assert trainer.late_members == 1 and "late" not in trainer.drops
+    assert len(trainer.ready) == 1
+    groups = trainer._fresh_groups()  # rewards 1, 0 then 1: not zero variance
+    assert len(groups) == 1 and groups[0].late and sorted(groups[0].members) == [2]
+    batch, _ = assemble(groups, 1, (64,))
+    assert float(batch.advantage[0]) > 0  # above its group's mean of 1/2
+    intake.send("slow", 2, reward=1.0)  # the same member again
+    assert trainer.drops["duplicate"] == 1 and trainer.late_members == 1
+    with pytest.raises(InvalidConfigError, match="late_members"):
+        TrainerConfig(late_members="keep")
+
+
 def test_masked_stale_tokens_train_what_is_fresh_and_drop_only_what_is_all_stale(
     tmp_path: Path,
 ) -> None:

@@ -14,7 +14,17 @@ from pipeline.kafka.transport import Coordinates
 from pipeline.policy.config import ModelConfig
 from pipeline.policy.model import init_model, token_logprobs
 from pipeline.testing import make_trajectory
-from pipeline.train.batching import Group, GroupBuffer, GroupQueue, Refused, assemble, bucket_for
+from pipeline.train.advantages import advantages
+from pipeline.train.batching import (
+    Group,
+    GroupBuffer,
+    GroupQueue,
+    Refused,
+    all_rewards,
+    assemble,
+    bucket_for,
+    group_rewards,
+)
 from pipeline.train.config import GRPOConfig
 from pipeline.train.grpo import init_state, make_train_step
 from pipeline.train.objective import Batch
@@ -123,6 +133,42 @@ def test_a_group_past_its_deadline_goes_with_the_members_it_has() -> None:
     assert buf.add(ts["two"][0], where(9)) == Refused("duplicate", ANY)
     assert buf.add(ts["whole"][3], where(9)).reason == "late"  # type: ignore[union-attr]
     assert [g.group_id for g in buf.expired(now=start + 61.0)] == ["one"]
+
+
+def test_a_late_member_kept_goes_alone_with_its_group_s_rewards_as_the_baseline() -> None:
+    """With ``late_rewards`` (``late_members: train``) a member that comes after its group
+    was trained at its deadline is handed out alone with the rewards the group was
+    trained with; its advantage is the one it would have had among them. A repeat of it
+    is a duplicate; let go before training (a rebalance), it is late again when read
+    again, and its group's trained members stay trained."""
+    grpo = GRPOConfig()
+    buf = GroupBuffer(max_records=100, timeout_s=60, late_rewards=lambda g: group_rewards(g, grpo))
+    ts = [
+        make_trajectory(8, group_id="g", group_size=4, group_index=i, reward=r)
+        for i, r in enumerate((1.0, 0.0, 0.0, 1.0))
+    ]
+    for i in range(3):
+        assert buf.add(ts[i], where(i)) is None
+    (trained,) = buf.due(5.0, 2, now=min(g.first_seen for g in buf) + 6.0)
+    assert sorted(trained.members) == [0, 1, 2]
+    late = buf.add(ts[3], where(3))
+    assert isinstance(late, Group) and late.late and sorted(late.members) == [3]
+    assert late.baseline is not None and late.baseline.tolist() == [1.0, 0.0, 0.0]
+    assert all_rewards(late, grpo).tolist() == [1.0, 0.0, 0.0, 1.0]
+    batch, _ = assemble([late], 2, (64,))
+    expected = advantages(np.asarray([1.0, 0.0, 0.0, 1.0]), "grpo")[3]
+    assert float(batch.advantage[0]) == pytest.approx(expected) and expected > 0
+    assert buf.add(ts[3], where(3)) == Refused("duplicate", ANY)
+    buf.forget_done([late])
+    again = buf.add(ts[3], where(3))
+    assert isinstance(again, Group) and again.late and again.baseline is not None
+    assert buf.add(ts[0], where(0)) == Refused("duplicate", ANY)  # trained at the deadline
+    # without late_rewards (the default, late_members: drop) it is refused as late
+    plain = GroupBuffer(max_records=100, timeout_s=60)
+    for i in range(3):
+        plain.add(ts[i], where(i))
+    plain.due(5.0, 2, now=min(g.first_seen for g in plain) + 6.0)
+    assert plain.add(ts[3], where(3)) == Refused("late", ANY)
 
 
 def test_queue_follows_mixing_weights() -> None:
