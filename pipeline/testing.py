@@ -8,8 +8,10 @@ paths as a real rollout without a policy or an environment.
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -161,3 +163,27 @@ class ScriptedPolicy:
 
     def release(self, slot: int) -> None:
         pass
+
+
+def weights_chunks(
+    files: Mapping[str, bytes], transfer_id: str, version: int, piece: int
+) -> list[dict[str, Any]]:
+    """The ``WeightsChunk`` records of a sending of ``files`` (relative name -> bytes, in
+    the digest's order), ``piece`` bytes each, each with its own SHA-256."""
+    out: list[dict[str, Any]] = []
+    for rel, data in files.items():
+        for offset in range(0, len(data), piece):
+            chunk = data[offset : offset + piece]
+            out.append(
+                {
+                    "transfer_id": transfer_id,
+                    "policy_version": version,
+                    "index": len(out),
+                    "file": rel,
+                    "offset": offset,
+                    "file_size": len(data),
+                    "data": chunk,
+                    "sha256": hashlib.sha256(chunk).hexdigest(),
+                }
+            )
+    return out

@@ -7,7 +7,6 @@ of it is loaded or written outside the private folder."""
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +25,7 @@ from pipeline.policy.model import init_model
 from pipeline.policy.tokenizer import TOKENIZER_ID
 from pipeline.records.codec import AvroCodec
 from pipeline.rollout.producer import RolloutProducer
+from pipeline.testing import weights_chunks
 from pipeline.train import publish
 from pipeline.train.config import TrainerConfig
 from pipeline.train.publish import WeightsPublisher
@@ -67,23 +67,7 @@ _FILES = {"a": b"0123456789", "d/b": bytes(range(256)) * 20}
 
 
 def _chunks(transfer_id: str, version: int = 5) -> list[dict[str, Any]]:
-    out = []
-    for rel, data in _FILES.items():
-        for offset in range(0, len(data), 4096):
-            piece = data[offset : offset + 4096]
-            out.append(
-                {
-                    "transfer_id": transfer_id,
-                    "policy_version": version,
-                    "index": len(out),
-                    "file": rel,
-                    "offset": offset,
-                    "file_size": len(data),
-                    "data": piece,
-                    "sha256": hashlib.sha256(piece).hexdigest(),
-                }
-            )
-    return out
+    return weights_chunks(_FILES, transfer_id, version, 4096)
 
 
 def _send(kafka: KafkaConfig, namespace: str, values: list[bytes]) -> list[int]:

@@ -5,7 +5,6 @@ tests/integration/test_weights_cluster.py."""
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from pathlib import Path
 from typing import Any
@@ -15,31 +14,14 @@ import pytest
 from pipeline.kafka.weights_data import Refusal, _Assembly
 from pipeline.policy.checkpoint import digest
 from pipeline.records.codec import shared_codec
+from pipeline.testing import weights_chunks
 
 FILES = {"a.bin": bytes(range(256)) * 40, "d/b.bin": b"x" * 9000}
 
 
 def _values(piece: int = 1000) -> list[bytes]:
     codec = shared_codec("WeightsChunk")
-    out: list[bytes] = []
-    for rel, data in FILES.items():
-        for offset in range(0, len(data), piece):
-            chunk = data[offset : offset + piece]
-            out.append(
-                codec.encode(
-                    {
-                        "transfer_id": "t",
-                        "policy_version": 2,
-                        "index": len(out),
-                        "file": rel,
-                        "offset": offset,
-                        "file_size": len(data),
-                        "data": chunk,
-                        "sha256": hashlib.sha256(chunk).hexdigest(),
-                    }
-                )
-            )
-    return out
+    return [codec.encode(c) for c in weights_chunks(FILES, "t", 2, piece)]
 
 
 def _assembly(into: Path, chunks: int) -> _Assembly:
