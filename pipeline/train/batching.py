@@ -48,11 +48,14 @@ class Group:
     first_seen: float
     members: dict[int, Member] = field(default_factory=dict)
     ids: set[str] = field(default_factory=set)
-    #: a member that came after its group was trained at its deadline, alone
-    late: bool = False
-    #: a late member's: the (shaped) rewards of the members its group was trained with at
-    #: its deadline; its advantage is computed over them and its own
+    #: a late member's (one that came after its group was trained at its deadline, alone):
+    #: the (shaped) rewards of the members its group was trained with; its advantage is
+    #: computed over them and its own
     baseline: np.ndarray | None = None
+
+    @property
+    def late(self) -> bool:
+        return self.baseline is not None
 
     @property
     def complete(self) -> bool:
@@ -146,10 +149,10 @@ class GroupBuffer:
         """A late member, alone, with the rewards of the members its group was trained
         with at its deadline; a repeat of it is a duplicate from now on."""
         self._done[t.group_id] = trained | {t.group_index}
-        g = Group(t.group_id, t.env, t.group_size, time.monotonic(), late=True)
+        g = Group(t.group_id, t.env, t.group_size, time.monotonic())
         g.members[t.group_index] = Member(t, where)
         g.ids.add(t.trajectory_id)
-        g.baseline = self._baselines.get(t.group_id)
+        g.baseline = self._baselines.get(t.group_id, np.zeros(0))
         return g
 
     def _hand_out(self, gid: str, partial: bool = False) -> Group:
@@ -319,12 +322,12 @@ def _advantaged(groups: Sequence[Group], grpo: GRPOConfig) -> list[tuple[Member,
     and their (shaped) rewards."""
     out = []
     for g in groups:
-        rewards = group_rewards(g, grpo)
+        pool = all_rewards(g, grpo)  # a late member's group's earlier rewards first
+        rewards = pool[len(pool) - len(g.members) :]
         if grpo.advantage == "gae":
             adv = np.zeros_like(rewards)
-        else:  # over the group's earlier members too, for a late member's
-            adv = advantages(all_rewards(g, grpo), grpo.advantage, grpo.adv_eps)
-            adv = adv[len(adv) - len(rewards) :]
+        else:
+            adv = advantages(pool, grpo.advantage, grpo.adv_eps)[len(pool) - len(rewards) :]
         out += [
             (g.members[i], float(adv[k]), float(rewards[k]))
             for k, i in enumerate(sorted(g.members))
